@@ -1,0 +1,132 @@
+"""The command line: ``marft eval``, ``marft env-check``.
+
+User errors (a bad config, a missing file) print one line and exit with status 2; ``--debug``
+shows the traceback instead.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+from pathlib import Path
+
+from .errors import UserError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="marft", description="Multi-agent reinforcement fine-tuning for LLM agent teams.")
+    p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    ev = sub.add_parser("eval", help="evaluate a team on held-out problems and print a table")
+    ev.add_argument("config", help="YAML config (see configs/)")
+    ev.add_argument("overrides", nargs="*", help="key=value overrides, e.g. eval.problems=32 rollout.temperature=0.8")
+    ev.add_argument("--adapters", help="folder of trained adapters (one subfolder per adapter)")
+    ev.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+
+    ck = sub.add_parser("env-check", help="check that an environment class follows marft's environment API")
+    ck.add_argument("env", help="module:Class or path/to/file.py:Class")
+    ck.add_argument("options", nargs="*", help="key=value constructor options of the environment")
+    ck.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "eval":
+            return cmd_eval(args)
+        if args.command == "env-check":
+            return cmd_env_check(args)
+    except UserError as e:
+        if args.debug:
+            raise
+        print(f"marft: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("marft: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def prepare(cfg):
+    """Seed, threads, team, models and environment factory for a run."""
+    import torch
+
+    from .envs import make_env_factory
+    from .models import TeamModel
+    from .team import build_team
+
+    _quiet_libraries()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    team = build_team(cfg.team)
+    t = cfg.task
+    make_env = make_env_factory(t.kind, team.names, team.answering, t.horizon, t.name, dict(t.options),
+                                t.train_path, t.test_path, t.env)
+    models = TeamModel(team, cfg.model)
+    return team, models, make_env
+
+
+def cmd_eval(args) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .config import load_config
+    from .evaluate import evaluate, format_table, write_json
+
+    cfg = load_config(args.config, args.overrides)
+    console = Console(stderr=True)
+    console.print(f"[bold]marft eval[/] {args.config}: team {' -> '.join(a.name for a in cfg.team.agents)}, "
+                  f"model {cfg.model.name}, task {cfg.task.kind}:{cfg.task.name if cfg.task.kind == 'reasoning_gym' else cfg.task.test_path or cfg.task.env}")
+    team, models, make_env = prepare(cfg)
+    if args.adapters:
+        models.load_adapters(args.adapters)
+    probe = make_env()
+    num = probe.num_problems("test") if hasattr(probe, "num_problems") else None
+    with Progress(TextColumn("evaluating"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[speed]}"),
+                  TimeElapsedColumn(), console=console, transient=True) as bar:
+        total = min(cfg.eval.problems, num or cfg.eval.problems) * cfg.eval.samples
+        task = bar.add_task("eval", total=total, speed="")
+        import time
+
+        t0 = time.perf_counter()
+
+        def progress(done, total, tokens):
+            bar.update(task, completed=done, speed=f"{tokens / max(time.perf_counter() - t0, 1e-9):.0f} tok/s")
+
+        result = evaluate(cfg, team, models, make_env, num, progress)
+    result["config"] = args.config
+    result["adapters"] = args.adapters or None
+    out = Path(cfg.eval.output or Path(cfg.output_dir) / "eval.json")
+    write_json(result, out)
+    Console().print(format_table(result, title=f"{' -> '.join(team.names)} on {cfg.task.name if cfg.task.kind == 'reasoning_gym' else cfg.task.kind}"
+                                 + (" (trained adapters)" if args.adapters else " (untrained)")))
+    console.print(f"results written to {out}")
+    return 0
+
+
+def cmd_env_check(args) -> int:
+    from .config import _split_override
+    from .envs.check import main_check
+
+    options = dict(_split_override(o) for o in args.options)
+    return main_check(args.env, options)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

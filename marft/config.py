@@ -1,0 +1,306 @@
+"""One configuration object per run: typed dataclasses, loaded from YAML, overridden from the
+command line with dotted keys, validated with one-line messages.
+
+    cfg = load_config("configs/duo_arithmetic.yaml", ["rollout.temperature=0.8", "team.agents.0.prompt=Plan."])
+
+Every field has a default; a YAML file only says what differs. Overrides are ``key=value`` with the
+value read as YAML (``0.8`` is a number, ``[q_proj, v_proj]`` a list, ``true`` a bool). A list is
+indexed by position (``team.agents.1.answers=true``). When ``team.agents`` is not given, the
+``team.preset`` fills it in before overrides of ``team.agents.*`` apply.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import UserError
+
+
+@dataclass
+class LoraSettings:
+    r: int = 8
+    """LoRA rank (reference: 8)."""
+    alpha: int = 16
+    """LoRA scaling numerator; the update is scaled by alpha / r (reference: 16)."""
+    dropout: float = 0.0
+    """Dropout on the LoRA input (reference: 0)."""
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    """Names of the linear layers that get adapters (reference: q_proj and v_proj)."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "smollm2-135m"
+    """The base model: ``smollm2-135m`` (embedded, offline), a local Hugging Face folder, a hub id,
+    or a ``.gguf`` file."""
+    dtype: str = "auto"
+    """``auto`` (bf16 where the hardware does it well, else fp32), ``bfloat16``, ``float16``, ``float32``."""
+    device: str = "auto"
+    """``auto`` (first GPU, else CPU), ``cpu``, ``cuda``, ``cuda:1`` ..."""
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    cache_dir: str = ""
+    """Where converted models are kept; empty: ``$MARFT_CACHE`` or ``~/.cache/marft``."""
+
+
+@dataclass
+class AgentConfig:
+    name: str = ""
+    """Unique name of the agent, used in the graph and in logs (``planner``, ``solver``)."""
+    prompt: str = ""
+    """The agent's system prompt (its role)."""
+    answers: bool = False
+    """Whether this agent's reply is graded. If no agent answers, the last one does."""
+    adapter: str = ""
+    """Which LoRA adapter it trains and acts with: empty = its own (named after the agent); with
+    ``team.share_adapter`` every agent uses the one shared adapter ``team``. Agents given the same
+    name here share that adapter."""
+    model: str = ""
+    """Its own base model (same forms as ``model.name``); empty = the team's."""
+
+
+@dataclass
+class TeamConfig:
+    preset: str = "duo"
+    """Fills in ``agents`` when they are not given: solo, duo, trio, quartet, or the same with
+    ``-anon`` (anonymous roles, "You are agent k of n")."""
+    agents: list[AgentConfig] = field(default_factory=list)
+    graph: Any = "chain"
+    """Who sees whom within a step: ``chain`` (each agent sees all earlier ones), ``parallel``
+    (nobody sees anybody), or a mapping ``{agent: [agents it sees]}`` forming a DAG."""
+    share_adapter: bool = False
+    """MARFT-PS: every agent acts with (and trains) one shared adapter."""
+
+
+@dataclass
+class TaskConfig:
+    kind: str = "reasoning_gym"
+    """``reasoning_gym`` (procedural, no files), ``math`` (GSM8K/MATH-shaped files) or ``custom``."""
+    name: str = "basic_arithmetic"
+    """reasoning_gym: the dataset name (``basic_arithmetic``, ``chain_sum``, ``gsm_symbolic`` ...)."""
+    options: dict = field(
+        default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
+    )
+    """Options for the reasoning_gym dataset, or keyword arguments of a custom environment."""
+    train_path: str = ""
+    """math: the training file (.json list or .jsonl)."""
+    test_path: str = ""
+    """math: the held-out file."""
+    env: str = ""
+    """custom: ``module:Class`` or ``path/to/file.py:Class`` of a :class:`marft.envs.TeamEnv`."""
+    horizon: int = 1
+    """H: the most steps (team attempts) per episode."""
+
+
+@dataclass
+class RolloutConfig:
+    episodes: int = 32
+    """Episodes played concurrently (one batched generate call per agent turn)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 = off."""
+    max_new_tokens: int = 96
+    """Longest reply; a reply cut here is flagged truncated."""
+    stop: list[str] = field(default_factory=list)
+    """Extra strings that end a reply (the end-of-turn token always does)."""
+
+
+@dataclass
+class EvalConfig:
+    problems: int = 64
+    """Held-out problems (the first n of the test split)."""
+    samples: int = 1
+    """k replies per problem."""
+    temperature: float = 0.6
+    """Sampling temperature at evaluation (reference: 0.6); 0 = greedy."""
+    seed: int = 1234
+    output: str = ""
+    """Where the JSON result goes; empty: ``<run.output_dir>/eval.json``."""
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    team: TeamConfig = field(default_factory=TeamConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    seed: int = 0
+    output_dir: str = "runs/default"
+    """Run folder: metrics, checkpoints, evaluation results."""
+    threads: int = 0
+    """CPU threads for torch; 0 = torch's default."""
+
+
+# --------------------------------------------------------------------------------------------
+# loading
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+    """Read ``path`` (YAML; None = all defaults), apply ``key=value`` overrides, validate."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(f"config file {p} not found; give the path of a YAML file such as configs/duo_arithmetic.yaml")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise UserError(f"config file {p} is not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+        if not isinstance(data, dict):
+            raise UserError(f"config file {p} must hold a mapping of keys (model:, team:, ...), not {type(data).__name__}")
+    parsed = [_split_override(o) for o in overrides]
+    late = [(k, v) for k, v in parsed if k.startswith("team.agents")]
+    for k, v in parsed:
+        if not k.startswith("team.agents"):
+            _set_dotted(data, k, v)
+    _expand_preset(data)
+    for k, v in late:
+        _set_dotted(data, k, v)
+    cfg = _build(RunConfig, data, "")
+    validate(cfg)
+    return cfg
+
+
+def _split_override(text: str) -> tuple[str, Any]:
+    key, eq, value = text.partition("=")
+    if not eq or not key.strip():
+        raise UserError(f"override {text!r} must look like key=value, e.g. rollout.temperature=0.8")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError:
+        parsed = value
+    return key.strip(), parsed
+
+
+def _set_dotted(data: dict, key: str, value: Any) -> None:
+    node: Any = data
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise UserError(f"config: {'.'.join(parts[:i])} has {len(node)} entries; index {part!r} in {key!r} is out of range")
+            if last:
+                node[int(part)] = value
+            else:
+                node = node[int(part)]
+            continue
+        if not isinstance(node, dict):
+            raise UserError(f"config: {'.'.join(parts[:i])} is not a section, so {key!r} cannot be set")
+        if last:
+            node[part] = value
+        else:
+            node = node.setdefault(part, {})
+
+
+def _expand_preset(data: dict) -> None:
+    team = data.setdefault("team", {})
+    if not isinstance(team, dict):
+        return
+    if not team.get("agents"):
+        from .team import preset_agents
+
+        team["agents"] = preset_agents(str(team.get("preset", TeamConfig.preset)))
+
+
+def _type_name(tp: Any) -> str:
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+            dict: "a mapping", list: "a list"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _build(tp: Any, value: Any, where: str) -> Any:
+    """Turn plain YAML data into ``tp``, naming the key on any mismatch."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise UserError(f"config: {where or 'the file'} must be a mapping of keys, got {value!r}")
+        hints = typing.get_type_hints(tp)
+        names = [f.name for f in dataclasses.fields(tp)]
+        kwargs = {}
+        for k, v in value.items():
+            key = f"{where}.{k}" if where else str(k)
+            if k not in names:
+                close = difflib.get_close_matches(str(k), names, n=1)
+                hint = f" (did you mean '{where + '.' if where else ''}{close[0]}'?)" if close else f"; known keys: {', '.join(names)}"
+                raise UserError(f"config: unknown key '{key}'{hint}")
+            kwargs[k] = _build(hints[k], v, key)
+        return tp(**kwargs)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if isinstance(value, (str, int, float)) and item is str:
+            value = [value] if value != "" else []
+        if not isinstance(value, list):
+            raise UserError(f"config: {where} must be a list, got {value!r}")
+        return [_build(item, v, f"{where}.{i}") for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        return value
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise UserError(f"config: {where} must be true or false, got {value!r}")
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if tp is str and value is None:
+        return ""
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise UserError(f"config: {where} must be {_type_name(tp)}, got {value!r}")
+    return value
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise UserError(f"config: {msg}")
+
+
+def validate(cfg: RunConfig) -> None:
+    """Range and consistency checks that types alone do not catch."""
+    lo = cfg.model.lora
+    _check(lo.r >= 1, f"model.lora.r must be at least 1, got {lo.r}")
+    _check(lo.alpha > 0, f"model.lora.alpha must be positive, got {lo.alpha}")
+    _check(0 <= lo.dropout < 1, f"model.lora.dropout must be in [0, 1), got {lo.dropout}")
+    _check(bool(lo.target_modules), "model.lora.target_modules must name at least one layer, e.g. [q_proj, v_proj]")
+    _check(cfg.model.dtype in ("auto", "bfloat16", "float16", "float32"),
+           f"model.dtype must be auto, bfloat16, float16 or float32, got {cfg.model.dtype!r}")
+    r = cfg.rollout
+    _check(r.episodes >= 1, f"rollout.episodes must be at least 1, got {r.episodes}")
+    _check(r.temperature > 0, f"rollout.temperature must be positive, got {r.temperature}")
+    _check(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
+    _check(r.top_k >= 0, f"rollout.top_k must be 0 (off) or positive, got {r.top_k}")
+    _check(r.max_new_tokens >= 1, f"rollout.max_new_tokens must be at least 1, got {r.max_new_tokens}")
+    e = cfg.eval
+    _check(e.problems >= 1, f"eval.problems must be at least 1, got {e.problems}")
+    _check(e.samples >= 1, f"eval.samples must be at least 1, got {e.samples}")
+    _check(e.temperature >= 0, f"eval.temperature must be 0 (greedy) or positive, got {e.temperature}")
+    t = cfg.task
+    _check(t.kind in ("reasoning_gym", "math", "custom"),
+           f"task.kind must be reasoning_gym, math or custom, got {t.kind!r}")
+    _check(t.horizon >= 1, f"task.horizon must be at least 1, got {t.horizon}")
+    _check(t.kind != "math" or bool(t.train_path or t.test_path),
+           "task.kind is math but neither task.train_path nor task.test_path is set")
+    _check(t.kind != "custom" or ":" in t.env, "task.kind is custom: set task.env to module:Class")
+    _check(cfg.threads >= 0, f"threads must be 0 (default) or positive, got {cfg.threads}")
+    from .team import build_team
+
+    build_team(cfg.team)  # names, graph, adapters: raises UserError with the reason
+
+
+def to_dict(cfg: Any) -> dict:
+    """The config as plain data, for saving beside results and checkpoints."""
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: RunConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True))

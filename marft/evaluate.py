@@ -1,0 +1,130 @@
+"""Evaluation: the team on held-out problems, k samples each with a fixed seed, summarised as a
+table (team accuracy with a 95% interval, answer-extraction rate, reply length per agent,
+tokens/s) and as JSON."""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from .generation import Sampling
+from .rollout import rollout
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a binomial proportion."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def accuracy_interval(success: torch.Tensor, z: float = 1.96) -> tuple[float, float, float]:
+    """Mean accuracy and 95% interval from a [problems, samples] 0/1 table.
+
+    One sample per problem: Wilson interval. Several: the problems are the independent units, so
+    the interval is mean +- z * standard error of the per-problem means (clipped to [0, 1])."""
+    n, k = success.shape
+    mean = float(success.float().mean())
+    if k == 1:
+        lo, hi = wilson_interval(int(success.sum()), n, z)
+        return mean, lo, hi
+    per_problem = success.float().mean(1)
+    se = float(per_problem.std(unbiased=True)) / math.sqrt(n) if n > 1 else 0.5
+    return mean, max(0.0, mean - z * se), min(1.0, mean + z * se)
+
+
+def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progress=None) -> dict:
+    """Run the team on the first ``eval.problems`` test problems (fewer if the split is smaller),
+    ``eval.samples`` times each, ``rollout.episodes`` at a time. ``progress(done, total, tokens)``
+    is called after every agent turn."""
+    ev, ro = cfg.eval, cfg.rollout
+    n = min(ev.problems, num_problems) if num_problems else ev.problems
+    k = ev.samples
+    sampling = Sampling(ev.temperature, ro.top_p, ro.top_k, ro.max_new_tokens, tuple(ro.stop))
+    generator = torch.Generator().manual_seed(ev.seed)
+    resets = [(ev.seed + i, {"split": "test", "index": i}) for i in range(n) for _ in range(k)]
+    success = torch.zeros(n * k, dtype=torch.bool)
+    extracted = torch.zeros(n * k, dtype=torch.bool)
+    reward = torch.zeros(n * k)
+    steps = torch.zeros(n * k)
+    lengths: dict[str, list[float]] = {a: [] for a in team.names}
+    truncated: dict[str, list[float]] = {a: [] for a in team.names}
+    tokens, gen_seconds, start = 0, 0.0, time.perf_counter()
+    done_eps = 0
+    for lo in range(0, n * k, ro.episodes):
+        chunk = resets[lo:lo + ro.episodes]
+
+        def on_turn(turn):
+            nonlocal tokens
+            tokens += int(turn.response_mask.sum())
+            if progress:
+                progress(done_eps, n * k, tokens)
+
+        out = rollout(team, models, make_env, chunk, sampling, cfg.task.horizon, generator, on_turn)
+        hi = lo + len(chunk)
+        success[lo:hi], extracted[lo:hi] = out.success, out.extracted
+        reward[lo:hi] = out.rewards.sum(1)
+        steps[lo:hi] = out.steps.float()
+        for t in out.turns:
+            lengths[t.agent] += t.response_mask.sum(1).float().tolist()
+            truncated[t.agent] += t.truncated.float().tolist()
+        gen_seconds += out.gen_seconds
+        done_eps = hi
+        if progress:
+            progress(done_eps, n * k, tokens)
+    seconds = time.perf_counter() - start
+    acc, ci_lo, ci_hi = accuracy_interval(success.view(n, k))
+    return {
+        "problems": n,
+        "samples": k,
+        "accuracy": acc,
+        "ci95": [ci_lo, ci_hi],
+        "extraction_rate": float(extracted.float().mean()),
+        "mean_reward": float(reward.mean()),
+        "mean_steps": float(steps.mean()),
+        "agents": {a: {"mean_tokens": _mean(lengths[a]), "truncated": _mean(truncated[a])} for a in team.names},
+        "generated_tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+        "temperature": ev.temperature,
+        "seed": ev.seed,
+        "per_problem_success": success.view(n, k).float().mean(1).tolist(),
+    }
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def format_table(result: dict, title: str = "evaluation"):
+    """A rich Table of an evaluation result."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    lo, hi = result["ci95"]
+    table.add_row("problems x samples", f"{result['problems']} x {result['samples']}")
+    table.add_row("team accuracy", f"{100 * result['accuracy']:.1f}%  (95% CI {100 * lo:.1f}-{100 * hi:.1f})")
+    table.add_row("answer extracted", f"{100 * result['extraction_rate']:.1f}%")
+    table.add_row("mean reward", f"{result['mean_reward']:.3f}")
+    for agent, a in result["agents"].items():
+        table.add_row(f"{agent}: mean reply tokens", f"{a['mean_tokens']:.1f}  ({100 * a['truncated']:.0f}% cut)")
+    table.add_row("generated tokens/s", f"{result['tokens_per_s']:.1f}")
+    table.add_row("wall time", f"{result['seconds']:.1f} s")
+    return table
+
+
+def write_json(result: dict, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    tmp.replace(path)

