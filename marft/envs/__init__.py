@@ -1,0 +1,51 @@
+"""Environments: the protocol (:mod:`marft.envs.base`), the shipped tasks and the conformance check.
+
+- ``reasoning_gym`` (:class:`~marft.envs.gym.ReasoningGymEnv`): procedural problems, no files.
+- ``math`` (:class:`~marft.envs.math.MathEnv`): GSM8K / MATH / MATH-500 shaped files.
+- ``custom``: the user's class, named ``"package.module:Class"`` or ``"path/to/file.py:Class"``;
+  run ``marft env-check`` on it (:func:`~marft.envs.check.check_env`).
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable
+
+from marft.envs.base import Grade, Problem, TeamEnv, TurnBasedEnv
+from marft.errors import UserError
+
+KINDS = ("reasoning_gym", "math", "custom")
+
+__all__ = ["Grade", "Problem", "TeamEnv", "TurnBasedEnv", "make_env_factory", "KINDS"]
+
+
+def make_env_factory(kind: str, agents: list[str], answering: list[str], horizon: int, name: str,
+                     options: dict, train_path: str, test_path: str, env: str) -> Callable[[], TeamEnv]:
+    """A zero-argument function that builds a fresh environment for one episode slot.
+
+    ``kind`` picks the task: "reasoning_gym" uses ``name`` and ``options``; "math" uses
+    ``train_path``/``test_path`` (and ``options``, which it rejects if any); "custom" loads the
+    class ``env`` and passes it ``options``. One environment is built and reset on both splits
+    here, so a missing file, an unknown dataset or a bad option fails now with a :class:`UserError`.
+    """
+    if kind == "reasoning_gym":
+        from marft.envs.gym import ReasoningGymEnv
+        cls, kwargs = ReasoningGymEnv, {"name": name, **options}
+    elif kind == "math":
+        from marft.envs.math import MathEnv
+        cls, kwargs = MathEnv, {"train_path": train_path, "test_path": test_path, **options}
+    elif kind == "custom":
+        from marft.envs.check import load_env_class
+        if not env:
+            raise UserError("task kind 'custom' needs env: 'package.module:Class' or 'path/to/file.py:Class'")
+        cls, kwargs = load_env_class(env), dict(options)
+    else:
+        raise UserError(f"unknown task kind {kind!r}; expected one of {', '.join(KINDS)}")
+    factory = partial(cls, agents=list(agents), answering=list(answering), horizon=horizon, **kwargs)
+    try:
+        probe = factory()
+    except (TypeError, ValueError) as e:  # an unknown option, answering agents not in the team
+        raise UserError(f"cannot build the {kind} environment {getattr(cls, '__name__', cls)} "
+                        f"with options {options}: {e}") from e
+    probe.reset(seed=0)
+    probe.reset(seed=0, options={"split": "test", "index": 0})
+    return factory

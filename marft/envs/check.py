@@ -1,0 +1,214 @@
+"""``marft env-check``: does an environment follow the protocol of :mod:`marft.envs.base`?
+
+:func:`check_env` plays a few short episodes with a two-agent team (``alice`` then ``bob``, ``bob``
+answers, horizon 2) and fixed wrong replies, and returns what it found wrong, one line each, e.g.
+``observe('bob') returned int, expected str``. An exception raised by the environment becomes one
+such line (its type and message) and stops the checks that depend on it. It checks behaviour through
+the public API only; it cannot tell whether an environment grades correctly.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import numbers
+import os
+import sys
+from functools import partial
+from typing import Any, Callable
+
+from marft.errors import UserError
+
+AGENTS, ANSWERING, HORIZON = ["alice", "bob"], ["bob"], 2
+
+
+def _wrong_reply(agent: str, t: int) -> str:
+    """A reply no task should accept, with a marker that ``state()`` must show."""
+    return f"<{agent} turn {'abcdefgh'[t]} marker> I am not sure; I give up."  # no digits: no number to read
+
+
+def _name(x: Any) -> str:
+    return type(x).__name__
+
+
+class _Checks:
+    def __init__(self):
+        self.problems: list[str] = []
+        self.count = 0
+
+    def expect(self, ok: bool, problem: str) -> bool:
+        self.count += 1
+        if not ok:
+            self.problems.append(problem)
+        return ok
+
+    def call(self, what: str, fn: Callable, *args, **kwargs) -> tuple[bool, Any]:
+        """Run ``fn``; an exception becomes the problem '<what> raised <Type>: <message>'."""
+        self.count += 1
+        try:
+            return True, fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - reporting the user's exception is the point
+            self.problems.append(f"{what} raised {_name(e)}: {' '.join(str(e).split())}".strip())
+            return False, None
+
+
+def _is_real(x: Any) -> bool:
+    """A finite number (numpy scalars included), not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check_last(c: _Checks, where: str, env) -> bool:
+    ok, out = c.call(f"last() {where}", env.last)
+    if not ok:
+        return False
+    if not c.expect(isinstance(out, tuple) and len(out) == 5, f"last() {where} returned {_name(out)}, "
+                    "expected a 5-tuple (obs, reward, terminated, truncated, info)"):
+        return False
+    obs, reward, term, trunc, info = out
+    c.expect(isinstance(obs, str), f"last() {where}: observation is {_name(obs)}, expected str")
+    c.expect(_is_real(reward), f"last() {where}: reward is {reward!r}, expected a finite float")
+    c.expect(isinstance(term, bool), f"last() {where}: terminated is {_name(term)}, expected bool")
+    c.expect(isinstance(trunc, bool), f"last() {where}: truncated is {_name(trunc)}, expected bool")
+    c.expect(isinstance(info, dict), f"last() {where}: info is {_name(info)}, expected dict")
+    return True
+
+
+def _play(c: _Checks, env, options: dict | None) -> bool:
+    """One episode of wrong replies after ``reset(seed=0, options)``; True if it ended in time."""
+    label = f"reset(seed=0, options={options})" if options else "reset(seed=0)"
+    if not c.call(label, env.reset, seed=0, options=options)[0]:
+        return False
+    order = list(getattr(env, "possible_agents", []))
+    c.expect(order == AGENTS, f"possible_agents is {order!r} after {label}, expected {AGENTS!r}")
+    agents = getattr(env, "agents", None)
+    c.expect(agents == AGENTS, f"agents is {agents!r} after {label}, expected {AGENTS!r}")
+    for t in range(HORIZON):
+        for i, expected in enumerate(AGENTS):
+            agent = getattr(env, "agent_selection", None)
+            if not c.expect(agent == expected, f"agent_selection is {agent!r} at step {t}, turn {i}, "
+                                               f"expected {expected!r} (the order of possible_agents)"):
+                return False
+            ok, obs = c.call(f"observe({agent!r})", env.observe, agent)
+            if not ok:
+                return False
+            got = _name(obs) if not isinstance(obs, str) else "an empty str"
+            c.expect(isinstance(obs, str) and obs.strip() != "",
+                     f"observe({agent!r}) returned {got}, expected a non-empty str")
+            if not c.call(f"step() at step {t} by {agent!r}", env.step, _wrong_reply(agent, t))[0]:
+                return False
+            if not _check_last(c, f"after step {t} by {agent!r}", env):
+                return False
+        _check_completed_step(c, env, t)
+        if not getattr(env, "agents", None):
+            return True
+    agents = getattr(env, "agents", None)
+    return c.expect(not agents, f"agents is {agents!r} after {HORIZON} wrong steps with horizon={HORIZON}; "
+                                "the episode must end (agents == [])")
+
+
+def _check_completed_step(c: _Checks, env, t: int) -> None:
+    rewards, infos = getattr(env, "rewards", None), getattr(env, "infos", None)
+    if c.expect(isinstance(rewards, dict), f"rewards is {_name(rewards)} after step {t}, expected dict"):
+        missing = [a for a in AGENTS if a not in rewards]
+        c.expect(not missing, f"rewards after step {t} has no entry for {missing}")
+        bad = {a: r for a, r in rewards.items() if not _is_real(r)}
+        c.expect(not bad, f"rewards after step {t} are not finite floats: {bad}")
+    if c.expect(isinstance(infos, dict), f"infos is {_name(infos)} after step {t}, expected dict"):
+        for a in AGENTS:
+            info = infos.get(a)
+            if not c.expect(isinstance(info, dict), f"infos[{a!r}] after step {t} is {_name(info)}, expected dict"):
+                continue
+            for key in ("success", "extracted"):
+                c.expect(isinstance(info.get(key), bool),
+                         f"infos[{a!r}][{key!r}] after step {t} is {info.get(key)!r}, expected bool")
+
+
+def _first_obs(c: _Checks, env, options: dict | None) -> str | None:
+    label = f"reset(seed=0, options={options})" if options else "reset(seed=0)"
+    if c.call(label, env.reset, seed=0, options=options)[0]:
+        return c.call(f"observe({AGENTS[0]!r})", env.observe, AGENTS[0])[1]
+    return None
+
+
+def _run(factory: Callable) -> tuple[list[str], int]:
+    c = _Checks()
+    make = f"construction with agents={AGENTS}, answering={ANSWERING}, horizon={HORIZON}"
+    ok, env = c.call(make, factory, agents=list(AGENTS), answering=list(ANSWERING), horizon=HORIZON)
+    if not ok:
+        return c.problems, c.count
+    if _play(c, env, None):
+        try:
+            env.step("one step too many")
+            c.expect(False, "step() on a finished episode did not raise; it must (the caller should reset())")
+        except Exception:  # noqa: BLE001 - raising is what we want
+            c.expect(True, "")
+        ok, state = c.call("state()", env.state)
+        if ok and c.expect(isinstance(state, str), f"state() returned {_name(state)}, expected str"):
+            missing = [r for r in (_wrong_reply(a, 0) for a in AGENTS) if r not in state]
+            c.expect(not missing, f"state() does not contain the actions taken, e.g. {missing[:1]}")
+    _play(c, env, {"split": "test", "index": 0})
+    # determinism: a second instance, reset with the same seed or test index, shows the same problem
+    ok, other = c.call(make, factory, agents=list(AGENTS), answering=list(ANSWERING), horizon=HORIZON)
+    if ok:
+        for options in (None, {"split": "test", "index": 0}):
+            a, b = _first_obs(c, env, options), _first_obs(c, other, options)
+            c.expect(a == b, f"two environments reset with seed=0, options={options} show different first "
+                             "observations; the same seed must give the same problem")
+    return list(dict.fromkeys(c.problems)), c.count
+
+
+def check_env(factory: Callable) -> list[str]:
+    """Problems found with ``factory(agents=..., answering=..., horizon=...)``'s environments; [] if none.
+
+    Each problem is one line naming the method and what was wrong; repeats are listed once.
+    """
+    return _run(factory)[0]
+
+
+def load_env_class(spec: str) -> Callable:
+    """The class named by ``"package.module:Class"`` or ``"path/to/file.py:Class"``.
+
+    Raises :class:`UserError` when the spec is malformed, the module cannot be imported, it has no
+    such attribute, or the attribute is not callable.
+    """
+    module_name, _, attr = spec.rpartition(":")
+    if not module_name or not attr:
+        raise UserError(f"environment {spec!r} must look like 'package.module:Class' or 'path/to/file.py:Class'")
+    if module_name.endswith(".py") or os.sep in module_name or "/" in module_name:
+        if not os.path.isfile(module_name):
+            raise UserError(f"cannot import module {module_name!r}: no such file")
+        name = "marft_user_env_" + os.path.splitext(os.path.basename(module_name))[0]
+        try:
+            loader = importlib.util.spec_from_file_location(name, module_name)
+            module = importlib.util.module_from_spec(loader)
+            sys.modules[name] = module  # dataclasses and pickling look the module up here
+            loader.loader.exec_module(module)
+        except Exception as e:  # noqa: BLE001 - any failure in the user's module
+            sys.modules.pop(name, None)
+            raise UserError(f"cannot import module {module_name!r}: {_name(e)}: {e}") from e
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as e:  # noqa: BLE001
+            raise UserError(f"cannot import module {module_name!r}: {_name(e)}: {e}") from e
+    if not hasattr(module, attr):
+        raise UserError(f"module {module_name!r} has no attribute {attr!r}; check the name after ':'")
+    cls = getattr(module, attr)
+    if not callable(cls):
+        raise UserError(f"{spec!r} is a {_name(cls)}, not a class or function that builds an environment")
+    return cls
+
+
+def main_check(spec: str, options: dict) -> int:
+    """Check the environment ``spec`` built with ``options``; print the verdict; 0 if it conforms.
+
+    Raises :class:`UserError` when ``spec`` cannot be loaded (see :func:`load_env_class`).
+    """
+    problems, count = _run(partial(load_env_class(spec), **options))
+    if not problems:
+        print(f"env-check: {spec} conforms ({count} checks)")
+        return 0
+    print(f"env-check: {spec} has {len(problems)} problem(s) ({count} checks):")
+    for p in problems:
+        print(f"  - {p}")
+    return 1
