@@ -23,12 +23,12 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("config", help="YAML config (see configs/)")
     ev.add_argument("overrides", nargs="*", help="key=value overrides, e.g. eval.problems=32 rollout.temperature=0.8")
     ev.add_argument("--adapters", help="folder of trained adapters (one subfolder per adapter)")
-    ev.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    ev.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
     ck = sub.add_parser("env-check", help="check that an environment class follows marft's environment API")
     ck.add_argument("env", help="module:Class or path/to/file.py:Class")
     ck.add_argument("options", nargs="*", help="key=value constructor options of the environment")
-    ck.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    ck.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return p
 
 

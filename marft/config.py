@@ -84,10 +84,9 @@ class TaskConfig:
     """``reasoning_gym`` (procedural, no files), ``math`` (GSM8K/MATH-shaped files) or ``custom``."""
     name: str = "basic_arithmetic"
     """reasoning_gym: the dataset name (``basic_arithmetic``, ``chain_sum``, ``gsm_symbolic`` ...)."""
-    options: dict = field(
-        default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
-    )
-    """Options for the reasoning_gym dataset, or keyword arguments of a custom environment."""
+    options: dict = field(default_factory=dict)
+    """Options for the reasoning_gym dataset (e.g. ``{min_terms: 2, max_terms: 2}``), or keyword
+    arguments of a custom environment."""
     train_path: str = ""
     """math: the training file (.json list or .jsonl)."""
     test_path: str = ""

@@ -130,7 +130,18 @@ def load_base(name: str, dtype: str = "auto", device: str = "auto", cache_dir: s
         raise UserError(f"cannot load model {name!r}: {str(e).splitlines()[0]}") from None
     model.to(dev).eval()
     model.requires_grad_(False)
+    head = model.get_output_embeddings()
+    if head is not None:
+        head.register_forward_pre_hook(_contiguous_input)
     return model, tok
+
+
+def _contiguous_input(module, args):
+    """transformers keeps only the last positions' hidden states (``logits_to_keep``) by slicing,
+    which leaves a non-contiguous [B, k, H] tensor; ``F.linear`` then takes a batched-matmul path
+    that copies the vocabulary projection once per row (2.5 s for 32 rows of SmolLM2 on 2 CPU
+    cores, instead of 10 ms). Making the input contiguous restores the plain matmul."""
+    return (args[0].contiguous(), *args[1:])
 
 
 def stop_token_ids(model, tok) -> list[int]:

@@ -1,0 +1,135 @@
+"""The command line and evaluation, end to end on the tiny model."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from marft.cli import main
+from marft.evaluate import accuracy_interval, wilson_interval
+
+
+def test_wilson_interval_hand_values():
+    lo, hi = wilson_interval(0, 8)
+    assert lo == 0.0 and hi == pytest.approx(0.3244, abs=1e-4)
+    lo, hi = wilson_interval(5, 10)
+    assert (lo, hi) == (pytest.approx(0.2366, abs=1e-4), pytest.approx(0.7634, abs=1e-4))
+
+
+def test_accuracy_interval_clusters_samples_by_problem():
+    # per-problem means 1, .5, .5, 0: mean .5, sd .4082, se .2041, half-width 1.96 * se = .4001
+    table = torch.tensor([[1, 1], [1, 0], [0, 1], [0, 0]])
+    mean, lo, hi = accuracy_interval(table)
+    assert mean == 0.5 and lo == pytest.approx(0.0999, abs=1e-3) and hi == pytest.approx(0.9001, abs=1e-3)
+
+
+def test_eval_prints_table_and_writes_json(tiny_overrides, tmp_path, capsys):
+    out = tmp_path / "result.json"
+    rc = main(["eval", "configs/duo_arithmetic.yaml", *tiny_overrides, f"eval.output={out}", "eval.samples=2"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "team accuracy" in printed and "planner: mean reply tokens" in printed
+    res = json.loads(out.read_text())
+    assert (res["problems"], res["samples"]) == (4, 2)
+    assert res["ci95"][0] <= res["accuracy"] <= res["ci95"][1]
+    assert 0 < res["agents"]["solver"]["mean_tokens"] <= 8
+    assert res["generated_tokens"] > 0 and res["tokens_per_s"] > 0
+    assert len(res["per_problem_success"]) == 4
+
+
+def test_eval_is_reproducible_with_a_fixed_seed(tiny_overrides, tmp_path):
+    results = []
+    for i in range(2):
+        out = tmp_path / f"r{i}.json"
+        assert main(["eval", "configs/duo_arithmetic.yaml", *tiny_overrides, f"eval.output={out}", "eval.temperature=1.0"]) == 0
+        results.append(json.loads(out.read_text()))
+    keys = ("per_problem_success", "agents", "generated_tokens", "extraction_rate")
+    assert [results[0][k] for k in keys] == [results[1][k] for k in keys]
+
+
+def test_adapters_saved_and_loaded_back(tiny_model_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from marft.config import load_config
+    from marft.models import TeamModel
+    from marft.team import build_team
+
+    cfg = load_config(None, [f"model.name={tiny_model_dir}", "model.dtype=float32", "model.device=cpu"])
+    team = build_team(cfg.team)
+    a = TeamModel(team, cfg.model)
+    g = torch.Generator().manual_seed(0)
+    for adapter in team.adapters:
+        a.load_adapter_state(adapter, {k: torch.randn(v.shape, generator=g) for k, v in a.adapter_state(adapter).items()})
+    a.save_adapters(tmp_path / "adapters")
+    b = TeamModel(team, cfg.model)
+    b.load_adapters(tmp_path / "adapters")
+    for adapter in team.adapters:
+        sa, sb = a.adapter_state(adapter), b.adapter_state(adapter)
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    # PEFT's own loader reads them too
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    solver = PeftModel.from_pretrained(base, tmp_path / "adapters" / "solver", adapter_name="solver")
+    got = {k.replace(".solver", ""): v for k, v in solver.state_dict().items() if "lora_" in k}
+    want = {k.replace(".solver", ""): v for k, v in a.bases[str(tiny_model_dir)].state_dict().items() if "lora_" in k and ".solver" in k}
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+
+
+def test_missing_adapters_folder_is_a_user_error(tiny_overrides, tmp_path, capsys):
+    rc = main(["eval", "configs/duo_arithmetic.yaml", *tiny_overrides, "--adapters", str(tmp_path / "none")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "adapters folder" in err and "not found" in err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["eval", "configs/nope.yaml"], "config file configs/nope.yaml not found"),
+    (["eval", "configs/duo_arithmetic.yaml", "rollout.temprature=1"], "did you mean 'rollout.temperature'"),
+    (["eval", "configs/duo_arithmetic.yaml", "model.name=/no/such/model"], "model '/no/such/model' not found"),
+    (["eval", "configs/duo_arithmetic.yaml", "task.name=basic_arithmetik"], "unknown reasoning_gym dataset 'basic_arithmetik'"),
+    (["eval", "configs/duo_arithmetic.yaml", "task.kind=math", "task.options={}", "task.test_path=/no/file.jsonl"], "does not exist"),
+    (["env-check", "no_such_module:Env"], "cannot import"),
+])
+def test_user_errors_are_one_line_exit_2(args, message, capsys):
+    rc = main(args)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("marft: error:")]
+    assert len(errors) == 1 and message in errors[0] and errors[0] == err.splitlines()[-1]
+
+
+def test_cli_process_exit_code_and_no_traceback(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout: {episodes: -3}\n")
+    p = subprocess.run([sys.executable, "-m", "marft.cli", "eval", str(bad)], capture_output=True, text=True)
+    assert p.returncode == 2
+    assert "Traceback" not in p.stderr
+    assert p.stderr.strip() == "marft: error: config: rollout.episodes must be at least 1, got -3"
+    p = subprocess.run([sys.executable, "-m", "marft.cli", "--debug", "eval", str(bad)], capture_output=True, text=True)
+    assert p.returncode != 0 and "Traceback" in p.stderr
+
+
+ENV_FILE = '''
+from marft.envs.base import TurnBasedEnv, Problem, Grade
+
+class Good(TurnBasedEnv):
+    def new_problem(self, rng, split, index):
+        return Problem("Say hello.", "hello")
+    def grade(self, problem, reply):
+        return Grade("hello" in reply, True)
+
+class NeverEnds(Good):
+    def step(self, action):
+        super().step(action)
+        self.agents = list(self.possible_agents)
+'''
+
+
+def test_env_check_command(tmp_path, capsys):
+    f = tmp_path / "my_env.py"
+    f.write_text(ENV_FILE)
+    assert main(["env-check", f"{f}:Good"]) == 0
+    assert "conforms" in capsys.readouterr().out
+    assert main(["env-check", f"{f}:NeverEnds"]) == 1
+    out = capsys.readouterr().out
+    assert "horizon" in out
