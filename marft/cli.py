@@ -97,7 +97,7 @@ def cmd_eval(args) -> int:
     if args.adapters:
         models.load_adapters(args.adapters)
     probe = make_env()
-    num = probe.num_problems("test") if hasattr(probe, "num_problems") else None
+    num = probe.num_problems("test") if hasattr(probe, "num_problems") else None  # optional for a raw TeamEnv
     with Progress(TextColumn("evaluating"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[speed]}"),
                   TimeElapsedColumn(), console=console, transient=True) as bar:
         total = min(cfg.eval.problems, num or cfg.eval.problems) * cfg.eval.samples

@@ -19,6 +19,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -88,6 +89,7 @@ def _convert_gguf(gguf: Path, target: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     target.parent.mkdir(parents=True, exist_ok=True)
+    print(f"marft: converting {gguf.name} once to {target} (about 20 s; later loads take seconds)", file=sys.stderr)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

@@ -121,6 +121,10 @@ class TurnBasedEnv(TeamEnv):
         """Judge one answering agent's reply."""
         raise NotImplementedError
 
+    def num_problems(self, split: str) -> int | None:
+        """How many problems ``split`` holds (evaluation stops there); None = unlimited."""
+        return None
+
     def answer_instruction(self) -> str:
         return "Give the final answer in \\boxed{}."
 
