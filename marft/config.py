@@ -125,12 +125,68 @@ class EvalConfig:
 
 
 @dataclass
+class TrainConfig:
+    algorithm: str = "marft"
+    """``marft`` (action-level PPO, centralised critic), ``marft-token`` (token-level PPO),
+    ``ippo`` (a critic per agent over its own observation) or ``grpo`` (critic-free group baseline)."""
+    iterations: int = 40
+    """Rollout + update rounds. Each plays ``rollout.episodes`` episodes."""
+    gamma: float = 1.0
+    """Discount from the last agent of a step to the first agent of the next (newer reference: 1)."""
+    agent_gamma: float = 1.0
+    """Discount between consecutive agents within a step."""
+    gamma_token: float = 1.0
+    """marft-token: discount between tokens of one reply."""
+    lam: float = 1.0
+    """GAE lambda (newer reference: 1)."""
+    credit: str = "last"
+    """Where a step's team reward goes: ``last`` (the step's last micro-step, reference) or ``equal``."""
+    group_size: int = 4
+    """grpo: episodes per problem (``rollout.episodes`` must be a multiple)."""
+    group_baseline: str = "grpo"
+    """grpo: ``grpo`` (normalised by the group's std) or ``rloo`` (leave-one-out mean)."""
+    epochs: int = 1
+    """Passes over each batch per iteration."""
+    minibatch_size: int = 16
+    """Replies per optimiser step (per agent)."""
+    micro_batch_size: int = 8
+    """Replies per forward/backward pass; gradients accumulate up to ``minibatch_size``."""
+    lr: float = 5e-5
+    """Policy (LoRA) learning rate, AdamW per adapter."""
+    critic_lr: float = 1e-4
+    """Value-head learning rate."""
+    critic_epochs: int = 4
+    """Passes of the value head over each batch (its features are computed once)."""
+    clip: float = 0.2
+    value_clip: float = 0.2
+    """Clip range of the value update around the rollout values; 0 = off."""
+    entropy_coef: float = 0.01
+    kl_coef: float = 0.0
+    """Weight of the k3 KL penalty to the reference policy (the base model); 0 = off."""
+    target_kl: float = 0.0
+    """Stop an agent's update for this iteration when its approximate KL exceeds this; 0 = off."""
+    max_grad_norm: float = 0.5
+    normalize_advantages: bool = True
+    logprob: str = "sum"
+    """Action log-probability at action level: ``sum`` of token log-probs, ``mean``, or ``word`` (sum / words)."""
+    agent_by_agent: int = 0
+    """K > 0: train only agent (iteration // K) mod N, the others frozen; 0 = all agents every iteration."""
+    critic_warmup: int = 0
+    """The first W iterations update only the critic."""
+    eval_every: int = 0
+    """Held-out evaluation every n iterations (and at the end); 0 = only at the end."""
+    save_every: int = 5
+    """Checkpoint every n iterations (and at the end)."""
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     team: TeamConfig = field(default_factory=TeamConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
     seed: int = 0
     output_dir: str = "runs/default"
     """Run folder: metrics, checkpoints, evaluation results."""
@@ -290,6 +346,25 @@ def validate(cfg: RunConfig) -> None:
     _check(t.kind != "math" or bool(t.train_path or t.test_path),
            "task.kind is math but neither task.train_path nor task.test_path is set")
     _check(t.kind != "custom" or ":" in t.env, "task.kind is custom: set task.env to module:Class")
+    tr = cfg.train
+    _check(tr.algorithm in ("marft", "marft-token", "ippo", "grpo"),
+           f"train.algorithm must be marft, marft-token, ippo or grpo, got {tr.algorithm!r}")
+    _check(tr.iterations >= 0, f"train.iterations must be 0 or more, got {tr.iterations}")
+    for name in ("gamma", "agent_gamma", "gamma_token", "lam"):
+        v = getattr(tr, name)
+        _check(0 <= v <= 1, f"train.{name} must be in [0, 1], got {v}")
+    _check(tr.credit in ("last", "equal"), f"train.credit must be last or equal, got {tr.credit!r}")
+    _check(tr.group_baseline in ("grpo", "rloo"), f"train.group_baseline must be grpo or rloo, got {tr.group_baseline!r}")
+    _check(tr.group_size >= 1, f"train.group_size must be at least 1, got {tr.group_size}")
+    _check(tr.algorithm != "grpo" or r.episodes % tr.group_size == 0,
+           f"rollout.episodes ({r.episodes}) must be a multiple of train.group_size ({tr.group_size}) for grpo")
+    _check(tr.logprob in ("sum", "mean", "word"), f"train.logprob must be sum, mean or word, got {tr.logprob!r}")
+    for name in ("epochs", "minibatch_size", "micro_batch_size", "critic_epochs", "save_every"):
+        _check(getattr(tr, name) >= 1, f"train.{name} must be at least 1, got {getattr(tr, name)}")
+    for name in ("lr", "critic_lr", "clip", "max_grad_norm"):
+        _check(getattr(tr, name) > 0, f"train.{name} must be positive, got {getattr(tr, name)}")
+    for name in ("value_clip", "entropy_coef", "kl_coef", "target_kl", "agent_by_agent", "critic_warmup", "eval_every"):
+        _check(getattr(tr, name) >= 0, f"train.{name} must be 0 (off) or positive, got {getattr(tr, name)}")
     _check(cfg.threads >= 0, f"threads must be 0 (default) or positive, got {cfg.threads}")
     from .team import build_team
 

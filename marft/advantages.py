@@ -1,0 +1,262 @@
+"""Credit assignment: generalised advantage estimation over MARFT micro-steps, and baselines.
+
+Pure tensor functions, no model and no I/O. The core is :func:`gae` over a sequence of positions
+per row; the helpers lay out a batch of episodes as such sequences:
+
+* action level: one position per micro-step k = t * N + i (step t, i-th agent to act), see
+  :func:`credit_rewards`, :func:`micro_discounts`, :func:`micro_layout`;
+* token level: one position per generated token, the actions of an episode back to back, see
+  :func:`token_layout`, :func:`to_token_layout`, :func:`from_token_layout`;
+* IPPO: one sequence of steps per agent, :func:`ippo_gae`;
+* critic-free group baselines (GRPO / RLOO), :func:`group_advantages`.
+
+Conventions: ``done_k`` means the episode ended after position k (no bootstrap from k + 1);
+padding (``mask`` False) sits at the end of a row.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, discounts: torch.Tensor, dones: torch.Tensor,
+        mask: torch.Tensor, lam: float, last_values: torch.Tensor | None = None
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation along the positions of each row.
+
+    Shapes: ``rewards``, ``values``, ``discounts`` float [B, L]; ``dones``, ``mask`` bool [B, L];
+    ``last_values`` float [B] or None. Returns ``(advantages, returns)``, both [B, L].
+
+    Position k bootstraps from position k + 1::
+
+        delta_k = r_k + g_k * V_{k+1} * (1 - done_k) - V_k
+        A_k     = delta_k + g_k * lam * (1 - done_k) * A_{k+1}
+        R_k     = A_k + V_k
+
+    with g_k = ``discounts[:, k]``. Padding (``mask`` False) must be at the END of a row (checked);
+    padded positions contribute nothing and get advantage and return 0, whatever their values.
+
+    Truncation: the last valid position of a row is normally done. If it is not (an episode cut at
+    the horizon), it bootstraps from ``last_values`` (the value of the state after the cut; 0 when
+    None): ``delta = r + g * last_values - V``.
+    """
+    B, L = rewards.shape
+    mask = mask.bool()
+    if L > 1 and (mask[:, 1:] & ~mask[:, :-1]).any():
+        raise ValueError("gae: mask must be True then False along each row (padding at the end only)")
+    rewards = torch.where(mask, rewards, 0.0)
+    values = torch.where(mask, values, 0.0)
+    cont = (~dones.bool() & mask).to(values.dtype)  # 1 where position k bootstraps from k + 1
+    advantages = torch.zeros_like(values)
+    next_value = torch.zeros(B, dtype=values.dtype, device=values.device) if last_values is None \
+        else last_values.to(values.dtype)
+    next_adv = torch.zeros_like(next_value)
+    for k in reversed(range(L)):
+        # padding only at the end, so while walking back through it the carry stays (last_values, 0)
+        delta = rewards[:, k] + discounts[:, k] * next_value * cont[:, k] - values[:, k]
+        adv = delta + discounts[:, k] * lam * cont[:, k] * next_adv
+        valid = mask[:, k]
+        advantages[:, k] = torch.where(valid, adv, 0.0)
+        next_value = torch.where(valid, values[:, k], next_value)
+        next_adv = torch.where(valid, adv, next_adv)
+    returns = torch.where(mask, advantages + values, 0.0)
+    return advantages, returns
+
+
+# ---------------------------------------------------------------- action level: micro-steps (t, i)
+
+def credit_rewards(step_rewards: torch.Tensor, num_agents: int, mode: str = "last") -> torch.Tensor:
+    """Spread team rewards [E, H] over micro-steps [E, H * N], micro-step k = t * N + i.
+
+    ``"last"``: r_t goes to micro-step (t, N - 1), the other agents of the step get 0.
+    ``"equal"``: each of the step's N micro-steps gets r_t / N.
+    """
+    E, H = step_rewards.shape
+    if mode == "last":
+        out = torch.zeros(E, H, num_agents, dtype=step_rewards.dtype, device=step_rewards.device)
+        out[:, :, -1] = step_rewards
+    elif mode == "equal":
+        out = (step_rewards / num_agents).unsqueeze(-1).expand(E, H, num_agents)
+    else:
+        raise ValueError(f"credit mode must be 'last' or 'equal', got {mode!r}")
+    return out.reshape(E, H * num_agents)
+
+
+def micro_discounts(horizon: int, num_agents: int, gamma: float, agent_gamma: float) -> torch.Tensor:
+    """Discount g_k [H * N] from micro-step k to k + 1.
+
+    g_(t, i) = ``agent_gamma`` for i < N - 1 (agent i to agent i + 1 within step t), and
+    g_(t, N-1) = ``gamma`` (last agent of step t to the first agent of step t + 1).
+    """
+    g = torch.full((horizon, num_agents), float(agent_gamma))
+    g[:, -1] = gamma
+    return g.reshape(-1)
+
+
+def valid_steps(dones: torch.Tensor) -> torch.Tensor:
+    """Steps [E, H] bool that happened: every step up to and including the first done."""
+    dones = dones.bool()
+    ended_before = (dones.long().cumsum(1) - dones.long()) > 0
+    return ~ended_before
+
+
+def micro_layout(step_rewards: torch.Tensor, dones: torch.Tensor, num_agents: int, gamma: float,
+                 agent_gamma: float, credit: str = "last"
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Action-level inputs for :func:`gae` from a rollout's step tensors.
+
+    ``step_rewards`` [E, H] float, ``dones`` [E, H] bool (episode ended after step t). Returns
+    ``(rewards, discounts, dones, mask)``, each [E, H * N] in micro-step order k = t * N + i: rewards
+    from :func:`credit_rewards`; discounts from :func:`micro_discounts`; done at (t, N - 1) when step
+    t was done; mask True for the micro-steps of the steps that happened (:func:`valid_steps`).
+    """
+    E, H = step_rewards.shape
+    N = num_agents
+    rewards = credit_rewards(step_rewards, N, credit)
+    discounts = micro_discounts(H, N, gamma, agent_gamma).to(step_rewards).expand(E, -1)
+    micro_dones = torch.zeros(E, H, N, dtype=torch.bool, device=dones.device)
+    micro_dones[:, :, -1] = dones.bool()
+    mask = valid_steps(dones).unsqueeze(-1).expand(E, H, N)
+    return rewards, discounts, micro_dones.reshape(E, H * N), mask.reshape(E, H * N)
+
+
+# ---------------------------------------------------------------- token level
+
+def token_layout(lengths: torch.Tensor, rewards: torch.Tensor, discounts: torch.Tensor,
+                 dones: torch.Tensor, gamma_token: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token-level inputs for :func:`gae`: every generated token is a position.
+
+    Inputs per action, K actions of each episode in execution order (k = t * N + i):
+    ``lengths`` [E, K] long (tokens of the action; 0 for an action that did not happen),
+    ``rewards`` [E, K], ``discounts`` [E, K] (g_k, to the next action), ``dones`` [E, K] bool.
+
+    Returns ``(token_rewards, token_discounts, token_dones, mask, first)``: the first four [E, L]
+    with L = max total tokens of an episode, the tokens of an episode contiguous from position 0,
+    padding at the end; ``first`` [E, K] long, the position of each action's first token (for an
+    action of length 0, where its first token would have been).
+
+    Inside an action a token has reward 0 and discount ``gamma_token`` to the next token; the
+    action's last token carries its reward r_k, discount g_k and done_k (so it bootstraps to the
+    first token of the next action that happened). Actions of length 0 are skipped; they must have
+    reward 0 and not be done (raises otherwise).
+    """
+    lengths = lengths.long()
+    E, K = lengths.shape
+    empty = lengths == 0
+    if (empty & ((rewards != 0) | dones.bool())).any():
+        raise ValueError("token_layout: an action with 0 tokens has a reward or is done")
+    ends = lengths.cumsum(1)  # [E, K] one past each action's last token
+    first = ends - lengths
+    L = int(ends[:, -1].max()) if K > 0 else 0
+    positions = torch.arange(L, device=lengths.device)
+    mask = positions.unsqueeze(0) < ends[:, -1:]  # [E, L]
+    token_rewards = torch.zeros(E, L, dtype=rewards.dtype, device=rewards.device)
+    token_discounts = torch.where(mask, gamma_token, 0.0).to(discounts.dtype)
+    token_dones = torch.zeros(E, L, dtype=torch.bool, device=lengths.device)
+    e_idx, k_idx = (~empty).nonzero(as_tuple=True)
+    last = ends[e_idx, k_idx] - 1
+    token_rewards[e_idx, last] = rewards[e_idx, k_idx]
+    token_discounts[e_idx, last] = discounts[e_idx, k_idx]
+    token_dones[e_idx, last] = dones.bool()[e_idx, k_idx]
+    return token_rewards, token_discounts, token_dones, mask, first
+
+
+def _token_index(lengths: torch.Tensor, first: torch.Tensor, T: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Episode index, layout position and validity, each [E, K, T], of token j of action k."""
+    E, K = lengths.shape
+    j = torch.arange(T, device=lengths.device)
+    valid = j < lengths.unsqueeze(-1)
+    pos = first.unsqueeze(-1) + j
+    e_idx = torch.arange(E, device=lengths.device).view(E, 1, 1).expand(E, K, T)
+    return e_idx, pos, valid
+
+
+def to_token_layout(x: torch.Tensor, lengths: torch.Tensor, first: torch.Tensor, L: int) -> torch.Tensor:
+    """Per-action tokens [E, K, T] (right-padded) -> episode layout [E, L]; 0 where nothing lands."""
+    E, K, T = x.shape
+    e_idx, pos, valid = _token_index(lengths.long(), first, T)
+    out = torch.zeros(E, L, dtype=x.dtype, device=x.device)
+    out[e_idx[valid], pos[valid]] = x[valid]
+    return out
+
+
+def from_token_layout(y: torch.Tensor, lengths: torch.Tensor, first: torch.Tensor, T: int) -> torch.Tensor:
+    """Episode layout [E, L] -> per-action tokens [E, K, T] (right-padded with 0)."""
+    e_idx, pos, valid = _token_index(lengths.long(), first, T)
+    if y.shape[1] == 0:
+        return torch.zeros(valid.shape, dtype=y.dtype, device=y.device)
+    out = y[e_idx, pos.clamp(max=y.shape[1] - 1)]
+    return torch.where(valid, out, torch.zeros((), dtype=y.dtype, device=y.device))
+
+
+# ---------------------------------------------------------------- IPPO
+
+def ippo_gae(step_rewards: torch.Tensor, values: torch.Tensor, step_mask: torch.Tensor, gamma: float,
+             lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Independent PPO: GAE per agent over its own steps with the shared team reward.
+
+    ``step_rewards`` [E, H] team reward r_t, ``values`` [E, H, N] agent i's own critic at step t,
+    ``step_mask`` [E, H] bool (steps that happened, padding at the end). Returns
+    ``(advantages, returns)``, each [E, H, N]. For agent i::
+
+        delta_t = r_t + gamma * V^i_{t+1} - V^i_t,   A_t = delta_t + gamma * lam * A_{t+1}
+
+    An agent never bootstraps through another agent's value. The last valid step of each row is
+    terminal (no bootstrap; truncated episodes are not bootstrapped here).
+    """
+    E, H, N = values.shape
+    mask = step_mask.bool()
+    last = mask & ~torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)  # last valid step
+    rows = lambda x: x.unsqueeze(-1).expand(E, H, N).permute(0, 2, 1).reshape(E * N, H)  # noqa: E731
+    adv, ret = gae(rows(step_rewards), values.permute(0, 2, 1).reshape(E * N, H),
+                   torch.full((E * N, H), float(gamma), dtype=values.dtype, device=values.device),
+                   rows(last), rows(mask), lam)
+    back = lambda x: x.reshape(E, N, H).permute(0, 2, 1)  # noqa: E731
+    return back(adv), back(ret)
+
+
+# ---------------------------------------------------------------- critic-free baselines
+
+def group_advantages(returns: torch.Tensor, group_ids: torch.Tensor, mode: str = "grpo",
+                     eps: float = 1e-6) -> torch.Tensor:
+    """Group-relative advantages [B] from returns [B] and group ids [B] (long, any values).
+
+    ``"grpo"``: (R - mean_g) / (std_g + eps), with the SAMPLE std (divide by n - 1), as TRL's
+    ``GRPOTrainer`` (``Tensor.std``). ``"rloo"``: R - mean of the other n - 1 members of the group.
+    Groups of size 1 get advantage 0.
+    """
+    if mode not in ("grpo", "rloo"):
+        raise ValueError(f"group mode must be 'grpo' or 'rloo', got {mode!r}")
+    _, inv = torch.unique(group_ids, return_inverse=True)
+    G = int(inv.max()) + 1 if inv.numel() else 0
+    x = returns.double()
+    n = torch.zeros(G, dtype=x.dtype, device=x.device).index_add_(0, inv, torch.ones_like(x))
+    total = torch.zeros(G, dtype=x.dtype, device=x.device).index_add_(0, inv, x)
+    n_i, total_i = n[inv], total[inv]
+    single = n_i < 2
+    if mode == "rloo":
+        adv = x - (total_i - x) / (n_i - 1).clamp(min=1)
+    else:
+        mean_i = total_i / n_i
+        sq = torch.zeros(G, dtype=x.dtype, device=x.device).index_add_(0, inv, (x - mean_i) ** 2)
+        std_i = (sq[inv] / (n_i - 1).clamp(min=1)).sqrt()
+        adv = (x - mean_i) / (std_i + eps)
+    return torch.where(single, 0.0, adv).to(returns.dtype)
+
+
+def normalize(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Masked whitening: (x - mean) / (std + eps) over the entries where ``mask`` is True.
+
+    Any shape (``mask`` the same shape). Sample std (n - 1), as CleanRL's ``advantages.std()``;
+    with fewer than 2 valid entries only the mean is removed. Masked entries are returned as 0.
+    """
+    mask = mask.bool()
+    n = mask.sum()
+    xv = torch.where(mask, x, 0.0)
+    mean = xv.sum() / n.clamp(min=1)
+    centred = torch.where(mask, x - mean, 0.0)
+    if n < 2:
+        return centred
+    std = ((centred ** 2).sum() / (n - 1)).sqrt()
+    return centred / (std + eps)

@@ -1,0 +1,243 @@
+"""Credit assignment against hand-computed numbers (arithmetic in the comments)."""
+import pytest
+import torch
+
+from marft.advantages import (credit_rewards, from_token_layout, gae, group_advantages, ippo_gae,
+                              micro_discounts, micro_layout, normalize, to_token_layout, token_layout,
+                              valid_steps)
+
+T, F = True, False
+
+
+def t(x, **kw):
+    return torch.tensor(x, dtype=kw.pop("dtype", torch.float64), **kw)
+
+
+# ---------------------------------------------------------------- layouts
+
+def test_credit_rewards_last_and_equal():
+    r = t([[1.0, 2.0]])  # E=1, H=2, N=2 -> micro-steps (0,0) (0,1) (1,0) (1,1)
+    assert credit_rewards(r, 2, "last").tolist() == [[0.0, 1.0, 0.0, 2.0]]
+    assert credit_rewards(r, 2, "equal").tolist() == [[0.5, 0.5, 1.0, 1.0]]
+    # N=3, one step, r=3: last -> [0, 0, 3]; equal -> [1, 1, 1]
+    assert credit_rewards(t([[3.0]]), 3, "last").tolist() == [[0.0, 0.0, 3.0]]
+    assert credit_rewards(t([[3.0]]), 3, "equal").tolist() == [[1.0, 1.0, 1.0]]
+    with pytest.raises(ValueError):
+        credit_rewards(r, 2, "first")
+
+
+def test_micro_discounts():
+    # H=2, N=3: agent_gamma between agents of a step, gamma after the last agent of each step
+    assert micro_discounts(2, 3, 0.9, 0.5).tolist() == pytest.approx([0.5, 0.5, 0.9, 0.5, 0.5, 0.9])
+    assert micro_discounts(1, 1, 0.9, 0.5).tolist() == pytest.approx([0.9])
+
+
+def test_micro_layout_and_valid_steps():
+    dones = torch.tensor([[F, T], [T, F]])  # row 1 ended after step 0 of a horizon-2 rollout
+    assert valid_steps(dones).tolist() == [[T, T], [T, F]]
+    r, g, d, m = micro_layout(t([[1.0, 2.0], [1.0, 0.0]]), dones, 2, 0.9, 1.0, "last")
+    assert r.tolist() == [[0, 1, 0, 2], [0, 1, 0, 0]]
+    assert torch.allclose(g, t([[1.0, 0.9, 1.0, 0.9]] * 2))
+    assert d.tolist() == [[F, F, F, T], [F, T, F, F]]
+    assert m.tolist() == [[T, T, T, T], [T, T, F, F]]
+
+
+# ---------------------------------------------------------------- action-level GAE by hand
+
+def two_agent_episode(agent_gamma, lam):
+    """N=2, H=2, gamma=0.9, credit last, team rewards r_0=1, r_1=2, values V_k = [.5, .6, .7, .8]."""
+    r, g, d, m = micro_layout(t([[1.0, 2.0]]), torch.tensor([[F, T]]), 2, 0.9, agent_gamma, "last")
+    return gae(r, t([[0.5, 0.6, 0.7, 0.8]]), g, d, m, lam)
+
+
+def test_gae_two_agents_agent_gamma_1():
+    # rewards [0, 1, 0, 2], discounts [1, .9, 1, .9], done at k=3
+    adv, ret = two_agent_episode(1.0, 0.95)
+    # k=3: delta = 2 - .8 = 1.2                      A3 = 1.2
+    # k=2: delta = 0 + 1*.8 - .7 = .1                 A2 = .1 + 1*.95*1.2 = 1.24
+    # k=1: delta = 1 + .9*.7 - .6 = 1.03 (V of the FIRST agent at step 1)
+    #                                                 A1 = 1.03 + .9*.95*1.24 = 2.0902
+    # k=0: delta = 0 + 1*.6 - .5 = .1                 A0 = .1 + 1*.95*2.0902 = 2.08569
+    assert torch.allclose(adv, t([[2.08569, 2.0902, 1.24, 1.2]]))
+    assert torch.allclose(ret, t([[2.58569, 2.6902, 1.94, 2.0]]))  # A + V
+    # lam = 1: returns are the discounted team returns: R3 = R2 = 2, R1 = R0 = 1 + .9*2 = 2.8
+    adv, ret = two_agent_episode(1.0, 1.0)
+    assert torch.allclose(ret, t([[2.8, 2.8, 2.0, 2.0]]))
+    assert torch.allclose(adv, t([[2.3, 2.2, 1.3, 1.2]]))
+    # lam = 0: A1 is the one-step TD error, bootstrapped from V at k=2 (agent 0, step 1) = .7
+    adv, _ = two_agent_episode(1.0, 0.0)
+    assert torch.allclose(adv, t([[0.1, 1.03, 0.1, 1.2]]))
+
+
+def test_gae_two_agents_agent_gamma_half():
+    # discounts [.5, .9, .5, .9], lam = 1
+    adv, ret = two_agent_episode(0.5, 1.0)
+    # k=3: delta = 2 - .8 = 1.2,             A3 = 1.2,               R3 = 2
+    # k=2: delta = .5*.8 - .7 = -.3,         A2 = -.3 + .5*1.2 = .3, R2 = 1.0  (= .5*2)
+    # k=1: delta = 1 + .9*.7 - .6 = 1.03,    A1 = 1.03 + .9*.3 = 1.3, R1 = 1.9 (= 1 + .9*1)
+    # k=0: delta = .5*.6 - .5 = -.2,         A0 = -.2 + .5*1.3 = .45, R0 = .95 (= .5*1.9)
+    assert torch.allclose(adv, t([[0.45, 1.3, 0.3, 1.2]]))
+    assert torch.allclose(ret, t([[0.95, 1.9, 1.0, 2.0]]))
+
+
+def test_gae_episode_ending_early_nothing_leaks_from_padding():
+    # row 0 the full episode above; row 1 ends after step 0: r_0 = 1, a reward 7 and nan values in padding
+    r, g, d, m = micro_layout(t([[1.0, 2.0], [1.0, 7.0]]), torch.tensor([[F, T], [T, F]]), 2, 0.9, 1.0)
+    values = t([[0.5, 0.6, 0.7, 0.8], [0.5, 0.6, float("nan"), 100.0]])
+    adv, ret = gae(r, values, g, d, m, 0.95)
+    # row 1: k=1 done: delta = 1 - .6 = .4 = A1, R1 = 1;  k=0: delta = .6 - .5 = .1, A0 = .1 + .95*.4 = .48
+    assert torch.allclose(adv[1], t([0.48, 0.4, 0.0, 0.0]))
+    assert torch.allclose(ret[1], t([0.98, 1.0, 0.0, 0.0]))
+    assert torch.allclose(adv[0], t([2.08569, 2.0902, 1.24, 1.2]))  # row 0 unaffected by row 1
+
+
+def test_gae_truncated_bootstraps_from_last_values():
+    # one position, not done, discount .9: delta = 1 + .9*2 - .5 = 2.3; without last_values: 1 - .5
+    args = t([[1.0]]), t([[0.5]]), t([[0.9]]), torch.tensor([[F]]), torch.tensor([[T]]), 0.95
+    assert gae(*args, last_values=t([2.0]))[0].item() == pytest.approx(2.3)
+    assert gae(*args)[0].item() == pytest.approx(0.5)
+    # padded row, last valid position not done: bootstraps from last_values too
+    adv, _ = gae(t([[1.0, 5.0]]), t([[0.5, 9.0]]), t([[0.9, 0.9]]), torch.tensor([[F, F]]),
+                 torch.tensor([[T, F]]), 0.95, last_values=t([2.0]))
+    assert adv[0].tolist() == pytest.approx([2.3, 0.0])
+
+
+def test_gae_done_mid_row_cuts_value_and_advantage():
+    # two one-position episodes back to back in one row, discount .9, lam .95, V = [.5, .6]
+    # k=1: A = 2 - .6 = 1.4;  k=0 is done: A = 1 - .5 = .5 (no .9*.6 bootstrap, no .9*.95*1.4 carry)
+    adv, ret = gae(t([[1.0, 2.0]]), t([[0.5, 0.6]]), t([[0.9, 0.9]]), torch.tensor([[T, T]]),
+                   torch.tensor([[T, T]]), 0.95)
+    assert adv[0].tolist() == pytest.approx([0.5, 1.4])
+    assert ret[0].tolist() == pytest.approx([1.0, 2.0])
+
+
+def test_gae_rejects_padding_before_valid_positions():
+    with pytest.raises(ValueError):
+        gae(t([[1.0, 1.0]]), t([[0.0, 0.0]]), t([[1.0, 1.0]]), torch.tensor([[F, T]]),
+            torch.tensor([[F, T]]), 1.0)
+
+
+# ---------------------------------------------------------------- token level
+
+def test_token_layout_by_hand():
+    lengths = torch.tensor([[2, 1], [1, 0]])  # row 1: its second action did not happen
+    rewards = t([[0.0, 1.0], [3.0, 0.0]])
+    discounts = t([[0.5, 0.9], [0.9, 0.5]])
+    dones = torch.tensor([[F, T], [T, F]])
+    r, g, d, m, first = token_layout(lengths, rewards, discounts, dones, gamma_token=0.8)
+    # row 0 tokens: a0.0 a0.1 a1.0 -> reward at each action's last token, g_k there, .8 inside
+    assert r.tolist() == [[0, 0, 1], [3, 0, 0]]
+    assert torch.allclose(g, t([[0.8, 0.5, 0.9], [0.9, 0.0, 0.0]]))
+    assert d.tolist() == [[F, F, T], [T, F, F]]
+    assert m.tolist() == [[T, T, T], [T, F, F]]
+    assert first.tolist() == [[0, 2], [0, 1]]
+    # GAE on row 0, V = [1, 2, 3], lam = 1:
+    # k=2: delta = 1 - 3 = -2                A = -2,                 R = 1
+    # k=1: delta = .5*3 - 2 = -.5            A = -.5 + .5*-2 = -1.5, R = .5
+    # k=0: delta = .8*2 - 1 = .6             A = .6 + .8*-1.5 = -.6, R = .4  (= .8*.5*1)
+    adv, ret = gae(r, t([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]]), g, d, m, 1.0)
+    assert torch.allclose(adv[0], t([-0.6, -1.5, -2.0]))
+    assert torch.allclose(ret, t([[0.4, 0.5, 1.0], [3.0, 0.0, 0.0]]))
+    with pytest.raises(ValueError):  # a reward on an action that did not happen would be lost
+        token_layout(lengths, t([[0.0, 1.0], [3.0, 1.0]]), discounts, dones, 0.8)
+
+
+def test_token_layout_round_trip():
+    lengths = torch.tensor([[2, 1], [1, 0]])
+    *_, m, first = token_layout(lengths, torch.zeros(2, 2), torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.bool), 1.0)
+    x = t([[[1, 2, 0], [3, 0, 0]], [[4, 0, 0], [0, 0, 0]]])  # [E, K, T] right-padded
+    y = to_token_layout(x, lengths, first, m.shape[1])
+    assert y.tolist() == [[1, 2, 3], [4, 0, 0]]
+    assert from_token_layout(y, lengths, first, 3).tolist() == x.tolist()
+
+
+def random_batch(gen, E=5, H=3, N=2):
+    """Episodes of 1..H steps; each action 1..4 tokens; random rewards, values."""
+    steps = torch.randint(1, H + 1, (E,), generator=gen)
+    steps[0] = H  # at least one full-length and one short episode
+    steps[1] = 1
+    dones = torch.zeros(E, H, dtype=torch.bool)
+    dones[torch.arange(E), steps - 1] = True
+    step_rewards = torch.randn(E, H, generator=gen, dtype=torch.float64) * valid_steps(dones)
+    lengths = torch.randint(1, 5, (E, H * N), generator=gen)
+    return step_rewards, dones, lengths
+
+
+@pytest.mark.parametrize("gamma,agent_gamma,credit", [(1.0, 1.0, "last"), (0.9, 0.7, "last"), (0.8, 1.0, "equal")])
+def test_token_return_at_first_token_equals_action_return(gamma, agent_gamma, credit):
+    gen = torch.Generator().manual_seed(0)
+    N = 2
+    step_rewards, dones, lengths = random_batch(gen, N=N)
+    r, g, d, m = micro_layout(step_rewards, dones, N, gamma, agent_gamma, credit)
+    lengths = lengths * m  # actions of steps that did not happen have 0 tokens
+    tr, tg, td, tm, first = token_layout(lengths, r, g, d, gamma_token=1.0)
+    assert len(set(tm.sum(1).tolist())) > 1  # episodes of different token lengths
+
+    def returns(lam):
+        action_values = torch.randn(m.shape, generator=gen, dtype=torch.float64)
+        token_values = torch.randn(tm.shape, generator=gen, dtype=torch.float64)
+        _, action_ret = gae(r, action_values, g, d, m, lam)
+        _, token_ret = gae(tr, token_values, tg, td, tm, lam)
+        return action_ret[m], token_ret.gather(1, first)[m]
+
+    a, b = returns(1.0)
+    assert torch.allclose(a, b)
+    # not vacuous: with lam < 1 the returns depend on the (different) values, and the property fails
+    a, b = returns(0.9)
+    assert not torch.allclose(a, b)
+
+
+# ---------------------------------------------------------------- IPPO
+
+def test_ippo_by_hand():
+    # team rewards r = [1, 2], gamma .9, lam .95; agent 0 values [.5, .7], agent 1 values [.6, .8]
+    values = t([[[0.5, 0.6], [0.7, 0.8]]])  # [E=1, H=2, N=2]
+    adv, ret = ippo_gae(t([[1.0, 2.0]]), values, torch.tensor([[T, T]]), 0.9, 0.95)
+    # agent 0: t1: 2 - .7 = 1.3;  t0: delta = 1 + .9*.7 - .5 = 1.13, A = 1.13 + .9*.95*1.3 = 2.2415
+    # agent 1: t1: 2 - .8 = 1.2;  t0: delta = 1 + .9*.8 - .6 = 1.12, A = 1.12 + .855*1.2 = 2.146
+    assert torch.allclose(adv, t([[[2.2415, 2.146], [1.3, 1.2]]]))
+    assert torch.allclose(ret, adv + values)
+    # the episode ends after step 0: terminal there, agent 0: A = 1 - .5
+    adv, _ = ippo_gae(t([[1.0, 2.0]]), values, torch.tensor([[T, F]]), 0.9, 0.95)
+    assert torch.allclose(adv, t([[[0.5, 0.4], [0.0, 0.0]]]))
+
+
+def test_ippo_agents_do_not_share_values():
+    gen = torch.Generator().manual_seed(1)
+    E, H, N = 4, 3, 3
+    rewards = torch.randn(E, H, generator=gen)
+    values = torch.randn(E, H, N, generator=gen)
+    mask = torch.tensor([[T, T, T], [T, T, F], [T, F, F], [T, T, T]])
+    adv, _ = ippo_gae(rewards, values, mask, 0.9, 0.95)
+    changed = values.clone()
+    changed[..., 1] += torch.randn(E, H, generator=gen)
+    adv2, _ = ippo_gae(rewards, changed, mask, 0.9, 0.95)
+    assert torch.equal(adv[..., 0], adv2[..., 0]) and torch.equal(adv[..., 2], adv2[..., 2])
+    assert not torch.allclose(adv[..., 1], adv2[..., 1])
+
+
+# ---------------------------------------------------------------- group baselines, normalisation
+
+def test_group_advantages_grpo_and_rloo():
+    returns = t([1.0, 4.0, 2.0, 5.0, 6.0, 3.0, 8.0])
+    groups = torch.tensor([7, 3, 7, 2, 3, 7, 9])  # group 7 = [1, 2, 3]; 3 = [4, 6]; 2 and 9 alone
+    # grpo: group 7 mean 2, sample std sqrt((1 + 0 + 1) / 2) = 1 -> -1, 0, 1
+    #       group 3 mean 5, sample std sqrt((1 + 1) / 1) = sqrt 2 -> -1/sqrt2, +1/sqrt2; singles 0
+    s = 2 ** -0.5
+    assert torch.allclose(group_advantages(returns, groups, "grpo"), t([-1, -s, 0, 0, s, 1, 0]), atol=1e-5)
+    # rloo: 1 - (2+3)/2 = -1.5, 2 - (1+3)/2 = 0, 3 - (1+2)/2 = 1.5; 4 - 6 = -2, 6 - 4 = 2; singles 0
+    assert torch.allclose(group_advantages(returns, groups, "rloo"), t([-1.5, -2, 0, 0, 2, 1.5, 0]))
+    # grpo agrees with TRL's reshape-and-std on equal groups
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(2))
+    ref = (x - x.mean(1, keepdim=True)) / (x.std(1, keepdim=True) + 1e-6)
+    assert torch.allclose(group_advantages(x.reshape(-1), torch.arange(3).repeat_interleave(4)), ref.reshape(-1))
+
+
+def test_normalize():
+    # valid [1, 2, 3]: mean 2, sample std 1; the masked 100 is ignored and returned as 0
+    out = normalize(t([1.0, 2.0, 3.0, 100.0]), torch.tensor([T, T, T, F]))
+    assert torch.allclose(out, t([-1.0, 0.0, 1.0, 0.0]))
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(3))
+    mask = torch.rand(4, 6, generator=torch.Generator().manual_seed(4)) > 0.3
+    y = normalize(x, mask)[mask]
+    assert y.mean().abs() < 1e-6 and (y.std() - 1).abs() < 1e-6
