@@ -1,4 +1,4 @@
-"""The command line: ``marft eval``, ``marft env-check``.
+"""The command line: ``marft train``, ``marft eval``, ``marft env-check``.
 
 User errors (a bad config, a missing file) print one line and exit with status 2; ``--debug``
 shows the traceback instead.
@@ -25,6 +25,12 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--adapters", help="folder of trained adapters (one subfolder per adapter)")
     ev.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
+    tr = sub.add_parser("train", help="train a team with MARFT (or IPPO / GRPO), evaluating before and after")
+    tr.add_argument("config", nargs="?", help="YAML config (see configs/); not needed with --resume")
+    tr.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.iterations=20 train.algorithm=ippo")
+    tr.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    tr.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
     ck = sub.add_parser("env-check", help="check that an environment class follows marft's environment API")
     ck.add_argument("env", help="module:Class or path/to/file.py:Class")
     ck.add_argument("options", nargs="*", help="key=value constructor options of the environment")
@@ -37,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "eval":
             return cmd_eval(args)
+        if args.command == "train":
+            from .train_cli import cmd_train
+
+            return cmd_train(args)
         if args.command == "env-check":
             return cmd_env_check(args)
     except UserError as e:

@@ -306,6 +306,11 @@ def _build(tp: Any, value: Any, where: str) -> Any:
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):  # PyYAML reads 3e-4 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     if tp is str and value is None:

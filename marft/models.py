@@ -122,6 +122,7 @@ def load_base(name: str, dtype: str = "auto", device: str = "auto", cache_dir: s
     if not tok.chat_template:
         raise UserError(f"model {name!r} has a tokenizer without a chat template; use an instruct/chat model or add a chat_template to its tokenizer_config.json")
     tok.padding_side = "left"
+    tok.truncation_side = "left"  # a critic reading a long transcript keeps its end
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     try:
@@ -210,6 +211,14 @@ class TeamModel:
         model, tok, _ = self.for_agent(name)
         with model.disable_adapter():
             yield model, tok
+
+    def adapter_parameters(self, adapter: str) -> list[torch.nn.Parameter]:
+        """The trainable LoRA weights of one adapter (fp32 even on a bf16 base: PEFT upcasts them)."""
+        model = self.bases[self.base_of[adapter]]
+        params = [p for n, p in model.named_parameters() if "lora_" in n and f".{adapter}." in n]
+        if not params:
+            raise UserError(f"adapter {adapter!r} has no LoRA weights; check model.lora.target_modules")
+        return params
 
     def adapter_state(self, adapter: str) -> dict[str, torch.Tensor]:
         """The adapter's weights (what a rollout worker needs to act like the learner)."""

@@ -42,7 +42,7 @@ def build_tiny_model(folder: Path, seed: int = 0, hidden: int = 64, layers: int 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=2048, bos_token_id=tok.bos_token_id,
+                      max_position_embeddings=2048, initializer_range=0.2, bos_token_id=tok.bos_token_id,
                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
     model = LlamaForCausalLM(cfg)
     model.generation_config.eos_token_id = tok.eos_token_id

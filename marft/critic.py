@@ -1,0 +1,80 @@
+"""Critics: a value head (MLP on the last hidden layer) over the frozen, shared base model.
+
+The centralised critic V(k) reads the global state, the whole transcript before micro-step k
+(``Turn.states``), and estimates the team's return from that moment. The base model runs with
+every adapter disabled and without gradients, so its features are computed once per iteration
+and the head trains on them for several passes at almost no cost. IPPO's per-agent critics read
+the agent's own observation (its prompt) instead, one head per agent.
+
+Feature shapes: H hidden size; action level [b, H] (the state's last token); token level
+[b, R, H] (the position before each generated token: state tokens, then the reply so far).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class ValueHead(nn.Module):
+    """hidden -> 1024 -> 512 -> 1 with ReLU (the reference critic head), in float32."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(hidden, 1024), nn.ReLU(), nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, 1))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.net(features.float()).squeeze(-1)
+
+
+def _last_hidden(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    from .generation import _positions
+
+    out = model(input_ids=ids, attention_mask=mask.long(), position_ids=_positions(mask.long()),
+                output_hidden_states=True, logits_to_keep=1)
+    return out.hidden_states[-1]
+
+
+@torch.no_grad()
+def state_features(models, agent: str, texts: list[str], batch: int = 16, max_tokens: int = 2048) -> torch.Tensor:
+    """[b, H] features of global-state texts: the base model's last hidden state at the last token
+    (adapters disabled). Texts are left-truncated to ``max_tokens``."""
+    with models.reference(agent) as (model, tok):
+        device = next(model.parameters()).device
+        feats = []
+        for i in range(0, len(texts), batch):
+            enc = tok(texts[i:i + batch], return_tensors="pt", padding=True, truncation=True,
+                      max_length=max_tokens, add_special_tokens=False)
+            h = _last_hidden(model, enc["input_ids"].to(device), enc["attention_mask"].to(device).bool())
+            feats.append(h[:, -1].float().cpu())  # left padding: the last position is the last token
+        return torch.cat(feats) if feats else torch.zeros(0, model.config.hidden_size)
+
+
+@torch.no_grad()
+def prompt_features(models, agent: str, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                    batch: int = 16) -> torch.Tensor:
+    """[b, H] features of an agent's own observation (its left-padded prompt), for IPPO."""
+    with models.reference(agent) as (model, _):
+        device = next(model.parameters()).device
+        feats = [_last_hidden(model, prompt_ids[i:i + batch].to(device), prompt_mask[i:i + batch].to(device))[:, -1].float().cpu()
+                 for i in range(0, len(prompt_ids), batch)]
+        return torch.cat(feats)
+
+
+@torch.no_grad()
+def token_features(models, agent: str, texts: list[str], response_ids: torch.Tensor, response_mask: torch.Tensor,
+                   batch: int = 8, max_tokens: int = 2048) -> torch.Tensor:
+    """[b, R, H] features before each generated token: the state text followed by the reply so
+    far. Position j is the hidden state after the state and reply tokens < j."""
+    with models.reference(agent) as (model, tok):
+        device = next(model.parameters()).device
+        R = response_ids.shape[1]
+        feats = []
+        for i in range(0, len(texts), batch):
+            enc = tok(texts[i:i + batch], return_tensors="pt", padding=True, truncation=True,
+                      max_length=max_tokens, add_special_tokens=False)
+            ids = torch.cat([enc["input_ids"], response_ids[i:i + batch]], 1).to(device)
+            mask = torch.cat([enc["attention_mask"].bool(), response_mask[i:i + batch]], 1).to(device)
+            h = _last_hidden(model, ids, mask)
+            P = enc["input_ids"].shape[1]
+            feats.append(h[:, P - 1:P - 1 + R].float().cpu())
+        return torch.cat(feats)

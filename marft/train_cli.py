@@ -1,0 +1,142 @@
+"""``marft train``: evaluate the untrained team, train, checkpoint, evaluate the trained team.
+
+Run folder (``output_dir``): ``config.yaml``, ``metrics.jsonl`` (one line per iteration),
+``tensorboard/``, ``checkpoints/iter_NNNNNN/`` (+ ``latest``), ``eval_untrained.json``,
+``eval_iter_NNNNNN.json``, ``eval_final.json``. Ctrl-C finishes the current iteration, writes a
+checkpoint and stops; ``marft train --resume RUN_DIR`` continues.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+from .errors import UserError
+
+
+def cmd_train(args) -> int:
+    from rich.console import Console
+
+    from .cli import prepare
+    from .config import load_config, save_config
+    from .evaluate import evaluate, write_json
+    from .trainer import Trainer, append_metrics, latest_checkpoint, truncate_metrics
+
+    console = Console(stderr=True)
+    if args.resume:
+        run_dir = Path(args.resume)
+        ckpt = latest_checkpoint(run_dir)
+        if ckpt is None:
+            raise UserError(f"{run_dir} has no complete checkpoint to resume from (expected {run_dir}/checkpoints/latest)")
+        cfg = load_config(ckpt / "config.yaml", [*([args.config] if args.config and "=" in args.config else []), *args.overrides])
+    else:
+        if not args.config:
+            raise UserError("marft train needs a config file (e.g. configs/duo_arithmetic.yaml) or --resume RUN_DIR")
+        cfg = load_config(args.config, args.overrides)
+        run_dir = Path(cfg.output_dir)
+        if latest_checkpoint(run_dir) is not None:
+            raise UserError(f"run folder {run_dir} already has checkpoints; continue it with --resume {run_dir} "
+                            "or choose another output_dir=...")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    team, models, make_env = prepare(cfg)
+    trainer = Trainer(cfg, team, models, make_env, log=lambda m: console.print(f"[yellow]{m}[/]"))
+    metrics_path = run_dir / "metrics.jsonl"
+    probe = make_env()
+    num = probe.num_problems("test") if hasattr(probe, "num_problems") else None
+
+    def run_eval(tag: str) -> dict:
+        t0 = time.perf_counter()
+        res = evaluate(cfg, team, models, make_env, num)
+        res["iteration"] = trainer.iteration
+        write_json(res, run_dir / f"eval_{tag}.json")
+        lo, hi = res["ci95"]
+        console.print(f"eval {tag}: accuracy {100 * res['accuracy']:.1f}% (95% CI {100 * lo:.1f}-{100 * hi:.1f}), "
+                      f"{res['problems']}x{res['samples']} problems, {time.perf_counter() - t0:.0f} s")
+        return res
+
+    if args.resume:
+        trainer.load(ckpt)
+        truncate_metrics(metrics_path, trainer.iteration)
+        console.print(f"resumed {run_dir} at iteration {trainer.iteration} from {ckpt.name}")
+    else:
+        metrics_path.unlink(missing_ok=True)
+        console.print(f"[bold]marft train[/] {args.config}: {cfg.train.algorithm}, team {' -> '.join(team.names)}"
+                      f"{' (shared adapter)' if cfg.team.share_adapter else ''}, {cfg.train.iterations} iterations "
+                      f"x {cfg.rollout.episodes} episodes, run folder {run_dir}")
+        run_eval("untrained")
+    writer = _tensorboard(run_dir)
+    stop = {"now": False}
+
+    def on_sigint(signum, frame):
+        if stop["now"]:
+            raise KeyboardInterrupt
+        stop["now"] = True
+        console.print("[yellow]stopping after this iteration (Ctrl-C again to abort without a checkpoint)[/]")
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    start, done_here = time.perf_counter(), 0
+    try:
+        while trainer.iteration < cfg.train.iterations and not stop["now"]:
+            m = trainer.iteration_step()
+            done_here += 1
+            append_metrics(metrics_path, m)
+            if writer:
+                for k, v in m.items():
+                    if isinstance(v, (int, float)) and not isinstance(v, bool):
+                        writer.add_scalar(k, v, m["iteration"])
+                writer.flush()
+            left = (time.perf_counter() - start) / done_here * (cfg.train.iterations - trainer.iteration)
+            console.print(_line(m, cfg.train.iterations, left))
+            last = trainer.iteration == cfg.train.iterations
+            if trainer.iteration % cfg.train.save_every == 0 or last or stop["now"]:
+                trainer.save()
+            if cfg.train.eval_every and trainer.iteration % cfg.train.eval_every == 0 and not last:
+                res = run_eval(f"iter_{trainer.iteration:06d}")
+                if writer:
+                    writer.add_scalar("eval/accuracy", res["accuracy"], trainer.iteration)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if stop["now"]:
+        console.print(f"stopped at iteration {trainer.iteration}; continue with: marft train --resume {run_dir}")
+        return 130
+    final = run_eval("final")
+    if writer:
+        writer.add_scalar("eval/accuracy", final["accuracy"], trainer.iteration)
+        writer.close()
+    _print_comparison(run_dir, final)
+    return 0
+
+
+def _line(m: dict, total: int, left_s: float) -> str:
+    ent = m.get("entropy", next((v for k, v in m.items() if k.endswith("/entropy")), float("nan")))
+    kl = m.get("approx_kl", next((v for k, v in m.items() if k.endswith("/approx_kl")), float("nan")))
+    return (f"it {m['iteration']:>4}/{total}  reward {m['reward']:.3f}  acc {100 * m['accuracy']:5.1f}%  "
+            f"kl {kl:.4f}  entropy {ent:.3f}  {m['tokens_per_s']:.0f} tok/s  "
+            f"{m['seconds']:.0f} s/it  left {left_s / 60:.1f} min")
+
+
+def _tensorboard(run_dir: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(str(run_dir / "tensorboard"))
+
+
+def _print_comparison(run_dir: Path, final: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"held-out evaluation ({run_dir})")
+    for col in ("team", "accuracy", "95% CI", "answer extracted"):
+        table.add_column(col, justify="right" if col != "team" else "left")
+    untrained = run_dir / "eval_untrained.json"
+    rows = [("untrained", json.loads(untrained.read_text()))] if untrained.is_file() else []
+    for name, r in rows + [("trained", final)]:
+        lo, hi = r["ci95"]
+        table.add_row(name, f"{100 * r['accuracy']:.1f}%", f"{100 * lo:.1f}-{100 * hi:.1f}", f"{100 * r['extraction_rate']:.1f}%")
+    Console().print(table)
+    print(f"trained adapters: {run_dir}/checkpoints/latest -> adapters/ (marft eval CONFIG --adapters DIR)", file=sys.stderr)

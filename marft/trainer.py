@@ -1,0 +1,455 @@
+"""The MARFT trainer. One iteration, in numbered steps:
+
+1. rollout: the team plays ``rollout.episodes`` training episodes with the current adapters;
+2. rewards: the environment's team rewards per step, credited to micro-steps;
+3. values: the critic's features and values for every micro-step (or token, or own observation);
+4. advantages: action-level GAE (marft), token-level GAE (marft-token), per-agent GAE (ippo) or
+   group-relative baselines (grpo);
+5. critic update: the value head on the cached features;
+6. policy update: each trained agent's adapter with its own AdamW, clipped PPO surrogate, in
+   minibatches with gradient accumulation.
+
+Checkpoints (adapters in PEFT format, critic, optimisers, iteration, config) are written atomically
+to ``<output_dir>/checkpoints/iter_NNNNNN`` and ``latest`` names the newest complete one. Every
+random choice of iteration i is seeded from (seed, i), so a resumed run repeats an uninterrupted one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import advantages as adv_fns
+from . import losses
+from .config import RunConfig, save_config
+from .critic import ValueHead, prompt_features, state_features, token_features
+from .errors import UserError
+from .generation import Sampling, _positions
+from .rollout import Rollout, Turn, rollout
+
+
+@dataclass
+class TurnTargets:
+    """What the update needs for one :class:`Turn`, row-aligned with it."""
+
+    features: torch.Tensor  # [b, H] or [b, R, H] (token level)
+    values: torch.Tensor  # [b] or [b, R]: critic values at rollout time
+    advantages: torch.Tensor  # [b] or [b, R]
+    returns: torch.Tensor  # [b] or [b, R]
+
+
+def _seed(cfg: RunConfig, iteration: int, salt: int = 0) -> int:
+    return (cfg.seed * 1_000_003 + iteration * 7_919 + salt) % 2**63
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, team, models, make_env, log=print):
+        self.cfg, self.team, self.models, self.make_env, self.log = cfg, team, models, make_env, log
+        tr = cfg.train
+        self.algorithm = tr.algorithm
+        self.token_level = tr.algorithm == "marft-token"
+        self.run_dir = Path(cfg.output_dir)
+        first = next(iter(models.bases.values()))
+        hidden = first.config.hidden_size
+        torch.manual_seed(cfg.seed)
+        if tr.algorithm == "ippo":
+            self.heads = {a: ValueHead(hidden) for a in team.names}
+        elif tr.algorithm == "grpo":
+            self.heads = {}
+        else:
+            self.heads = {"team": ValueHead(hidden)}
+        self.critic_opt = {k: torch.optim.AdamW(h.parameters(), lr=tr.critic_lr) for k, h in self.heads.items()}
+        self.policy_opt = {a: torch.optim.AdamW(models.adapter_parameters(a), lr=tr.lr) for a in team.adapters}
+        self.iteration = 0
+
+    # ------------------------------------------------------------------ one iteration
+    def iteration_step(self) -> dict:
+        cfg, tr, it = self.cfg, self.cfg.train, self.iteration
+        times = {}
+        t0 = time.perf_counter()
+        # 1. rollout
+        out = self._rollout(it)
+        times["rollout_s"] = time.perf_counter() - t0
+        # 2-4. rewards, values, advantages
+        t1 = time.perf_counter()
+        targets = self._targets(out)
+        times["critic_features_s"] = time.perf_counter() - t1
+        # 5. critic update
+        t2 = time.perf_counter()
+        critic_stats = self._update_critic(out, targets) if self.heads else {}
+        times["critic_update_s"] = time.perf_counter() - t2
+        # 6. policy update
+        t3 = time.perf_counter()
+        trained = self._trained_agents(it)
+        policy_stats = self._update_policy(out, targets, trained) if trained else {}
+        times["policy_update_s"] = time.perf_counter() - t3
+        self.iteration += 1
+        total = time.perf_counter() - t0
+        tokens = out.generated_tokens
+        metrics = {
+            "iteration": self.iteration,
+            "reward": float(out.rewards.sum(1).mean()),
+            "accuracy": float(out.success.float().mean()),
+            "extracted": float(out.extracted.float().mean()),
+            "tokens": tokens,
+            "tokens_per_s": tokens / total,
+            "seconds": total,
+            "trained": trained,
+            **times, **critic_stats, **policy_stats,
+        }
+        for agent in self.team.names:
+            rows = [t for t in out.turns if t.agent == agent]
+            lens = torch.cat([t.response_mask.sum(1).float() for t in rows])
+            metrics[f"{agent}/reply_tokens"] = float(lens.mean())
+            metrics[f"{agent}/truncated"] = float(torch.cat([t.truncated.float() for t in rows]).mean())
+        return metrics
+
+    def _rollout(self, it: int) -> Rollout:
+        cfg, tr = self.cfg, self.cfg.train
+        rng = random.Random(_seed(cfg, it))
+        E = cfg.rollout.episodes
+        if self.algorithm == "grpo":
+            problems = [rng.randrange(2**62) for _ in range(E // tr.group_size)]
+            resets = [(p, {"split": "train"}) for p in problems for _ in range(tr.group_size)]
+        else:
+            resets = [(rng.randrange(2**62), {"split": "train"}) for _ in range(E)]
+        r = cfg.rollout
+        sampling = Sampling(r.temperature, r.top_p, r.top_k, r.max_new_tokens, tuple(r.stop))
+        generator = torch.Generator().manual_seed(_seed(cfg, it, 1))
+        return rollout(self.team, self.models, self.make_env, resets, sampling, cfg.task.horizon, generator)
+
+    def _trained_agents(self, it: int) -> list[str]:
+        tr = self.cfg.train
+        if it < tr.critic_warmup and self.heads:
+            return []
+        if tr.agent_by_agent > 0:
+            return [self.team.names[(it // tr.agent_by_agent) % len(self.team.names)]]
+        return list(self.team.names)
+
+    # ------------------------------------------------------------------ steps 2-4
+    def _micro_index(self, turn: Turn) -> int:
+        return turn.step * len(self.team.names) + self.team.names.index(turn.agent)
+
+    def _targets(self, out: Rollout) -> list[TurnTargets]:
+        tr = self.cfg.train
+        E, H = out.rewards.shape
+        N = len(self.team.names)
+        rewards, discounts, dones, mask = adv_fns.micro_layout(out.rewards, out.dones, N, tr.gamma, tr.agent_gamma, tr.credit)
+        if self.algorithm == "grpo":
+            group = torch.arange(E) // tr.group_size
+            a = adv_fns.group_advantages(out.rewards.sum(1), group, tr.group_baseline)
+            zero = torch.zeros(0)
+            return [TurnTargets(zero, torch.zeros(len(t.episodes)), a[t.episodes], torch.zeros(len(t.episodes)))
+                    for t in out.turns]
+        if self.algorithm == "ippo":
+            feats = [prompt_features(self.models, t.agent, t.prompt_ids, t.prompt_mask) for t in out.turns]
+            values = torch.zeros(E, H, N)
+            for t, f in zip(out.turns, feats):
+                with torch.no_grad():
+                    values[t.episodes, t.step, self.team.names.index(t.agent)] = self.heads[t.agent](f)
+            a, ret = adv_fns.ippo_gae(out.rewards, values, adv_fns.valid_steps(out.dones), tr.gamma, tr.lam)
+            i = self.team.names.index
+            return [TurnTargets(f, values[t.episodes, t.step, i(t.agent)], a[t.episodes, t.step, i(t.agent)],
+                                ret[t.episodes, t.step, i(t.agent)]) for t, f in zip(out.turns, feats)]
+        head = self.heads["team"]
+        K = H * N
+        if not self.token_level:
+            feats = [state_features(self.models, t.agent, t.states) for t in out.turns]
+            values = torch.zeros(E, K)
+            for t, f in zip(out.turns, feats):
+                with torch.no_grad():
+                    values[t.episodes, self._micro_index(t)] = head(f)
+            a, ret = adv_fns.gae(rewards, values, discounts, dones, mask, tr.lam)
+            return [TurnTargets(f, values[t.episodes, self._micro_index(t)], a[t.episodes, self._micro_index(t)],
+                                ret[t.episodes, self._micro_index(t)]) for t, f in zip(out.turns, feats)]
+        # token level
+        T = max(t.response_ids.shape[1] for t in out.turns)
+        lengths = torch.zeros(E, K, dtype=torch.long)
+        tok_values = torch.zeros(E, K, T)
+        feats = []
+        for t in out.turns:
+            f = token_features(self.models, t.agent, t.states, t.response_ids, t.response_mask)
+            feats.append(f)
+            k = self._micro_index(t)
+            lengths[t.episodes, k] = t.response_mask.sum(1)
+            with torch.no_grad():
+                v = head(f) * t.response_mask
+            tok_values[t.episodes, k, : v.shape[1]] = v
+        t_rew, t_disc, t_done, t_mask, first = adv_fns.token_layout(lengths, rewards * mask, discounts, dones & mask, tr.gamma_token)
+        L = t_rew.shape[1]
+        v_layout = adv_fns.to_token_layout(tok_values, lengths, first, L)
+        a, ret = adv_fns.gae(t_rew, v_layout, t_disc, t_done, t_mask, tr.lam)
+        a_tok = adv_fns.from_token_layout(a, lengths, first, T)
+        r_tok = adv_fns.from_token_layout(ret, lengths, first, T)
+        targets = []
+        for t, f in zip(out.turns, feats):
+            k, R = self._micro_index(t), t.response_ids.shape[1]
+            targets.append(TurnTargets(f, tok_values[t.episodes, k, :R], a_tok[t.episodes, k, :R], r_tok[t.episodes, k, :R]))
+        return targets
+
+    # ------------------------------------------------------------------ step 5
+    def _update_critic(self, out: Rollout, targets: list[TurnTargets]) -> dict:
+        tr = self.cfg.train
+        stats = {}
+        for key, head in self.heads.items():
+            idx = [i for i, t in enumerate(out.turns) if key in ("team", t.agent)]
+            if self.token_level:
+                feats = torch.cat([targets[i].features.flatten(0, 1) for i in idx])
+                old = torch.cat([targets[i].values.flatten() for i in idx])
+                ret = torch.cat([targets[i].returns.flatten() for i in idx])
+                valid = torch.cat([out.turns[i].response_mask.flatten() for i in idx])
+                feats, old, ret = feats[valid], old[valid], ret[valid]
+            else:
+                feats = torch.cat([targets[i].features for i in idx])
+                old = torch.cat([targets[i].values for i in idx])
+                ret = torch.cat([targets[i].returns for i in idx])
+            g = torch.Generator().manual_seed(_seed(self.cfg, self.iteration, 2))
+            total, count = 0.0, 0
+            bs = max(tr.minibatch_size, len(feats) // 4 or 1)
+            for _ in range(tr.critic_epochs):
+                for mb in torch.randperm(len(feats), generator=g).split(bs):
+                    loss = losses.value_loss(head(feats[mb]), old[mb], ret[mb], None, tr.value_clip or None)
+                    self.critic_opt[key].zero_grad()
+                    loss.backward()
+                    torch.nn.utils.clip_grad_norm_(head.parameters(), tr.max_grad_norm)
+                    self.critic_opt[key].step()
+                    total, count = total + float(loss.detach()), count + 1
+            stats[f"value_loss/{key}" if key != "team" else "value_loss"] = total / max(count, 1)
+        return stats
+
+    # ------------------------------------------------------------------ step 6
+    def _update_policy(self, out: Rollout, targets: list[TurnTargets], trained: list[str]) -> dict:
+        tr = self.cfg.train
+        stats: dict = {}
+        rows_by_adapter: dict[str, list[tuple[int, int]]] = {}
+        for i, t in enumerate(out.turns):
+            if t.agent in trained:
+                adapter = self.team[t.agent].adapter
+                rows_by_adapter.setdefault(adapter, []).extend((i, r) for r in range(len(t.episodes)))
+        norm_adv = self._normalised_advantages(out, targets)
+        g = torch.Generator().manual_seed(_seed(self.cfg, self.iteration, 3))
+        for adapter, rows in rows_by_adapter.items():
+            params = self.models.adapter_parameters(adapter)
+            opt = self.policy_opt[adapter]
+            old = self._old_logprobs(out, rows)
+            agg = {"policy_loss": 0.0, "entropy": 0.0, "approx_kl": 0.0, "clip_fraction": 0.0, "kl_ref": 0.0, "grad_norm": 0.0}
+            n_mb, stopped = 0, False
+            for _ in range(tr.epochs):
+                order = [rows[j] for j in torch.randperm(len(rows), generator=g).tolist()]
+                for lo in range(0, len(order), tr.minibatch_size):
+                    mb = order[lo:lo + tr.minibatch_size]
+                    opt.zero_grad()
+                    mb_stats = self._accumulate(out, mb, old, norm_adv, len(mb))
+                    gn = torch.nn.utils.clip_grad_norm_(params, tr.max_grad_norm)
+                    if not torch.isfinite(gn):
+                        self.log(f"warning: non-finite gradient for adapter {adapter} at iteration {self.iteration}; update skipped")
+                        opt.zero_grad()
+                        continue
+                    opt.step()
+                    for k in agg:
+                        agg[k] += mb_stats.get(k, 0.0) if k != "grad_norm" else float(gn)
+                    n_mb += 1
+                    if tr.target_kl and mb_stats["approx_kl"] > tr.target_kl:
+                        stopped = True
+                        break
+                if stopped:
+                    break
+            prefix = "" if len(rows_by_adapter) == 1 and adapter == "team" else f"{adapter}/"
+            for k, v in agg.items():
+                stats[prefix + k] = v / max(n_mb, 1)
+            stats[prefix + "early_stop"] = stopped
+        return stats
+
+    def _normalised_advantages(self, out: Rollout, targets: list[TurnTargets]) -> list[torch.Tensor]:
+        advs = [tg.advantages for tg in targets]
+        if not self.cfg.train.normalize_advantages:
+            return advs
+        if self.token_level:
+            flat = torch.cat([a.flatten() for a in advs])
+            m = torch.cat([t.response_mask.flatten() for t in out.turns])
+            normed = adv_fns.normalize(flat, m)
+            return list(normed.split([a.numel() for a in advs]))  # reshaped in _accumulate
+        flat = torch.cat(advs)
+        return list(adv_fns.normalize(flat, torch.ones_like(flat, dtype=torch.bool)).split([len(a) for a in advs]))
+
+    def _forward(self, model, turn: Turn, rows: list[int], with_logits: bool):
+        """Teacher-forced token log-probabilities [b, R] (and logits [b, R, V]) of ``rows`` of a turn."""
+        ids = torch.cat([turn.prompt_ids[rows], turn.response_ids[rows]], 1)
+        mask = torch.cat([turn.prompt_mask[rows], turn.response_mask[rows]], 1)
+        device = next(model.parameters()).device
+        ids, mask_l = ids.to(device), mask.long().to(device)
+        R = turn.response_ids.shape[1]
+        logits = model(input_ids=ids, attention_mask=mask_l, position_ids=_positions(mask_l), logits_to_keep=R + 1).logits[:, :-1]
+        temp = self.cfg.rollout.temperature
+        logits = logits.float() / temp
+        resp = turn.response_ids[rows].to(device)
+        lp = torch.log_softmax(logits, -1).gather(-1, resp[..., None]).squeeze(-1)
+        rmask = turn.response_mask[rows].to(device)
+        lp = lp * rmask
+        return (lp, logits) if with_logits else (lp, None)
+
+    @torch.no_grad()
+    def _old_logprobs(self, out: Rollout, rows: list[tuple[int, int]]) -> dict[int, torch.Tensor]:
+        """Behaviour log-probabilities [b, R] per turn, recomputed by the learner (so the first
+        ratio is exactly 1: rollout and learner numerics differ, in bf16 especially)."""
+        by_turn: dict[int, list[int]] = {}
+        for i, r in rows:
+            by_turn.setdefault(i, []).append(r)
+        old = {}
+        for i, rs in by_turn.items():
+            t = out.turns[i]
+            lp = torch.zeros_like(t.logprobs)
+            with self.models.acting(t.agent) as (model, _):
+                for lo in range(0, len(rs), self.cfg.train.micro_batch_size):
+                    chunk = rs[lo:lo + self.cfg.train.micro_batch_size]
+                    lp[chunk] = self._forward(model, t, chunk, False)[0].cpu()
+            old[i] = lp
+        return old
+
+    def _accumulate(self, out: Rollout, mb: list[tuple[int, int]], old: dict, norm_adv: list, mb_size: int) -> dict:
+        """Forward and backward of one minibatch in micro-batches; losses scaled by rows / mb_size."""
+        tr = self.cfg.train
+        by_turn: dict[int, list[int]] = {}
+        for i, r in mb:
+            by_turn.setdefault(i, []).append(r)
+        stats = {"policy_loss": 0.0, "entropy": 0.0, "approx_kl": 0.0, "clip_fraction": 0.0, "kl_ref": 0.0}
+        for i, rs in by_turn.items():
+            t = out.turns[i]
+            for lo in range(0, len(rs), tr.micro_batch_size):
+                chunk = rs[lo:lo + tr.micro_batch_size]
+                w = len(chunk) / mb_size
+                rmask = t.response_mask[chunk]
+                ref_lp = None
+                if tr.kl_coef > 0:
+                    with torch.no_grad(), self.models.reference(t.agent) as (model, _):
+                        ref_lp = self._forward(model, t, chunk, False)[0]
+                with self.models.acting(t.agent) as (model, _):
+                    lp, logits = self._forward(model, t, chunk, tr.entropy_coef > 0)
+                old_lp = old[i][chunk].to(lp.device)
+                a = norm_adv[i]
+                if self.token_level:
+                    a = a.view(len(t.episodes), -1)[chunk].to(lp.device)
+                    pl, st = losses.ppo_policy_loss(lp, old_lp, a, rmask, tr.clip)
+                else:
+                    words = torch.tensor([len(t.texts[r].split()) for r in chunk]) if tr.logprob == "word" else None
+                    new_a = losses.action_logprobs(lp, rmask, tr.logprob, words)
+                    old_a = losses.action_logprobs(old_lp, rmask, tr.logprob, words)
+                    pl, st = losses.ppo_policy_loss(new_a, old_a, a[chunk].to(lp.device), None, tr.clip)
+                loss = pl
+                if logits is not None:
+                    ent = losses.entropy_from_logits(logits, rmask)
+                    loss = loss - tr.entropy_coef * ent
+                    stats["entropy"] += w * float(ent.detach())
+                if ref_lp is not None:
+                    kl = losses.kl_penalty(lp, ref_lp, rmask)
+                    loss = loss + tr.kl_coef * kl
+                    stats["kl_ref"] += w * float(kl.detach())
+                if not torch.isfinite(loss):
+                    self.log(f"warning: non-finite loss for agent {t.agent} at iteration {self.iteration}; micro-batch skipped")
+                    continue
+                (loss * w).backward()
+                stats["policy_loss"] += w * float(pl.detach())
+                stats["approx_kl"] += w * st["approx_kl"]
+                stats["clip_fraction"] += w * st["clip_fraction"]
+        return stats
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self) -> Path:
+        """Write ``checkpoints/iter_NNNNNN`` atomically (to a temporary folder, then renamed) and
+        point ``checkpoints/latest`` at it."""
+        root = self.run_dir / "checkpoints"
+        root.mkdir(parents=True, exist_ok=True)
+        name = f"iter_{self.iteration:06d}"
+        final = root / name
+        tmp = root / f".{name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        self.models.save_adapters(tmp / "adapters")
+        torch.save({
+            "iteration": self.iteration,
+            "heads": {k: h.state_dict() for k, h in self.heads.items()},
+            "critic_opt": {k: o.state_dict() for k, o in self.critic_opt.items()},
+            "policy_opt": {k: o.state_dict() for k, o in self.policy_opt.items()},
+            "torch_rng": torch.get_rng_state(),
+            "team": self.team.names,
+            "adapters": self.team.adapters,
+            "algorithm": self.algorithm,
+        }, tmp / "trainer.pt")
+        save_config(self.cfg, tmp / "config.yaml")
+        _fsync_tree(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_atomic(root / "latest", name)
+        return final
+
+    def load(self, checkpoint: Path) -> None:
+        path = checkpoint / "trainer.pt"
+        if not path.is_file():
+            raise UserError(f"checkpoint {checkpoint} has no trainer.pt; it is incomplete or not a marft checkpoint")
+        try:
+            state = torch.load(path, weights_only=False)
+        except Exception as e:  # truncated or corrupt file
+            raise UserError(f"checkpoint {checkpoint} cannot be read ({type(e).__name__}); resume from an earlier one") from None
+        if state["team"] != self.team.names or state["adapters"] != self.team.adapters or state["algorithm"] != self.algorithm:
+            raise UserError(f"checkpoint {checkpoint} was written for team {state['team']} ({state['algorithm']}), "
+                            f"not {self.team.names} ({self.algorithm}); resume with the run's own config")
+        self.models.load_adapters(checkpoint / "adapters")
+        for k, h in self.heads.items():
+            h.load_state_dict(state["heads"][k])
+            self.critic_opt[k].load_state_dict(state["critic_opt"][k])
+        for k, o in self.policy_opt.items():
+            o.load_state_dict(state["policy_opt"][k])
+        torch.set_rng_state(state["torch_rng"])
+        self.iteration = state["iteration"]
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    pointer = Path(run_dir) / "checkpoints" / "latest"
+    if not pointer.is_file():
+        return None
+    path = pointer.parent / pointer.read_text().strip()
+    return path if path.is_dir() else None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_tree(folder: Path) -> None:
+    for p in folder.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+
+
+def append_metrics(path: Path, metrics: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(metrics) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def truncate_metrics(path: Path, iteration: int) -> None:
+    """Drop metric lines written after ``iteration`` (a run killed after its last checkpoint)."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("iteration", 0) <= iteration:
+                keep.append(line)
+        except json.JSONDecodeError:
+            break  # a line cut by a kill
+    _write_atomic(path, "".join(line + "\n" for line in keep))

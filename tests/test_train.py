@@ -1,0 +1,124 @@
+"""Training on the tiny model: the team learns a trivial task with every algorithm, agent-by-agent
+training freezes the other agents, critic warm-up freezes the policy, and a resumed run repeats an
+uninterrupted one."""
+import json
+
+import pytest
+import torch
+
+from marft.cli import main, prepare
+from marft.config import load_config
+from marft.trainer import Trainer, latest_checkpoint
+
+VOWEL_ENV = '''
+from marft.envs.base import TurnBasedEnv, Problem, Grade
+
+class Vowel(TurnBasedEnv):
+    """Reward 1 when the reply starts with a vowel (about 1 in 10 for the untrained tiny model)."""
+    def new_problem(self, rng, split, index):
+        return Problem("Say a word.", None)
+    def grade(self, problem, reply):
+        return Grade(reply.strip()[:1].lower() in tuple("aeiou"), True)
+'''
+
+
+@pytest.fixture
+def vowel_overrides(tiny_model_dir, tmp_path):
+    env = tmp_path / "vowel_env.py"
+    env.write_text(VOWEL_ENV)
+    return [f"model.name={tiny_model_dir}", "model.dtype=float32", "model.device=cpu",
+            "task.kind=custom", f"task.env={env}:Vowel", "task.options={}",
+            "rollout.max_new_tokens=2", "rollout.episodes=32", "eval.problems=4",
+            "train.lr=1e-2", "train.epochs=2", "train.entropy_coef=0", f"output_dir={tmp_path / 'run'}"]
+
+
+def trainer_for(overrides):
+    cfg = load_config("configs/duo_arithmetic.yaml", overrides)
+    team, models, make_env = prepare(cfg)
+    return Trainer(cfg, team, models, make_env, log=lambda m: None)
+
+
+def snapshot(trainer):
+    return {a: {k: v.clone() for k, v in trainer.models.adapter_state(a).items()} for a in trainer.team.adapters}
+
+
+def same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("algorithm", ["marft", "marft-token", "ippo", "grpo"])
+@pytest.mark.parametrize("share", [False, True])
+def test_team_learns_a_trivial_task(vowel_overrides, algorithm, share):
+    tr = trainer_for(vowel_overrides + [f"train.algorithm={algorithm}", f"team.share_adapter={share}"])
+    rewards = [tr.iteration_step()["reward"] for _ in range(12)]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert last >= first + 0.15, rewards
+
+
+def test_agent_by_agent_freezes_the_others(vowel_overrides):
+    tr = trainer_for(vowel_overrides + ["train.agent_by_agent=1"])
+    before = snapshot(tr)
+    m = tr.iteration_step()  # iteration 0 trains agent 0, the planner
+    after = snapshot(tr)
+    assert m["trained"] == ["planner"]
+    assert same(before["solver"], after["solver"])
+    assert not same(before["planner"], after["planner"])
+    m = tr.iteration_step()  # iteration 1: the solver
+    assert m["trained"] == ["solver"]
+    assert same(after["planner"], snapshot(tr)["planner"])
+
+
+def test_critic_warmup_trains_only_the_critic(vowel_overrides):
+    tr = trainer_for(vowel_overrides + ["train.critic_warmup=1"])
+    before = snapshot(tr)
+    head = {k: v.clone() for k, v in tr.heads["team"].state_dict().items()}
+    m = tr.iteration_step()
+    assert m["trained"] == [] and all(same(before[a], snapshot(tr)[a]) for a in before)
+    assert not same(head, tr.heads["team"].state_dict())
+    tr.iteration_step()
+    assert not same(before["solver"], snapshot(tr)["solver"])
+
+
+def test_token_level_returns_at_first_tokens_equal_action_level_returns(vowel_overrides):
+    """gamma_token = lambda = 1: through the trainer's own layout code, on one rollout."""
+    over = vowel_overrides + ["rollout.max_new_tokens=4", "task.horizon=2", "train.gamma=0.9", "train.lam=1"]
+    action = trainer_for(over + ["train.algorithm=marft"])
+    token = trainer_for(over + ["train.algorithm=marft-token", "train.gamma_token=1"])
+    out = action._rollout(0)
+    assert out.steps.max() == 2  # some episodes took a second step
+    for a, t in zip(action._targets(out), token._targets(out)):
+        assert torch.allclose(t.returns[:, 0], a.returns, atol=1e-5)
+
+
+def comparable(path):
+    skip = {"seconds", "tokens_per_s", "rollout_s", "critic_features_s", "critic_update_s", "policy_update_s"}
+    return [{k: v for k, v in json.loads(line).items() if k not in skip} for line in path.read_text().splitlines()]
+
+
+def test_resumed_run_repeats_an_uninterrupted_one(vowel_overrides, tmp_path):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert main(["train", "configs/duo_arithmetic.yaml", *vowel_overrides, "train.iterations=4", f"output_dir={straight}"]) == 0
+    assert main(["train", "configs/duo_arithmetic.yaml", *vowel_overrides, "train.iterations=2", f"output_dir={split}"]) == 0
+    assert latest_checkpoint(split).name == "iter_000002"
+    assert main(["train", "--resume", str(split), "train.iterations=4"]) == 0
+    assert comparable(straight / "metrics.jsonl") == comparable(split / "metrics.jsonl")
+    a = torch.load(latest_checkpoint(straight) / "trainer.pt", weights_only=False)
+    b = torch.load(latest_checkpoint(split) / "trainer.pt", weights_only=False)
+    assert a["iteration"] == b["iteration"] == 4
+    assert same(a["heads"]["team"], b["heads"]["team"])
+    from safetensors.torch import load_file
+
+    for adapter in ("planner", "solver"):
+        wa = load_file(latest_checkpoint(straight) / "adapters" / adapter / "adapter_model.safetensors")
+        wb = load_file(latest_checkpoint(split) / "adapters" / adapter / "adapter_model.safetensors")
+        assert same(wa, wb)
+    assert json.loads((straight / "eval_final.json").read_text())["per_problem_success"] == \
+        json.loads((split / "eval_final.json").read_text())["per_problem_success"]
+
+
+def test_existing_run_folder_needs_resume(vowel_overrides, tmp_path, capsys):
+    run = tmp_path / "r"
+    assert main(["train", "configs/duo_arithmetic.yaml", *vowel_overrides, "train.iterations=1", f"output_dir={run}"]) == 0
+    assert main(["train", "configs/duo_arithmetic.yaml", *vowel_overrides, "train.iterations=1", f"output_dir={run}"]) == 2
+    assert f"--resume {run}" in capsys.readouterr().err
+    assert main(["train", "--resume", str(tmp_path / "nothing")]) == 2
