@@ -93,6 +93,8 @@ def main() -> None:
     p.add_argument("--preset", default="duo", help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
+    # pinned, so that the figures do not move when the example config changes
+    args.overrides = ["rollout.temperature=1.0", "rollout.max_new_tokens=96", *args.overrides]
     if args.quick:
         args.episodes, args.naive_episodes = 8, 2
         args.overrides.append("rollout.max_new_tokens=32")

@@ -382,4 +382,8 @@ def to_dict(cfg: Any) -> dict:
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True))
+    """Write the config as YAML, atomically (a temporary file renamed over the target)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True))
+    tmp.replace(path)

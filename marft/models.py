@@ -245,19 +245,14 @@ class TeamModel:
         if not directory.is_dir():
             raise UserError(f"adapters folder {directory} not found; give the folder a training run saved (it holds one subfolder per adapter)")
         for adapter, base in self.base_of.items():
-            sub = _adapter_folder(directory, adapter)
-            if sub is None:
+            sub = directory / adapter
+            if not (sub / "adapter_config.json").is_file():
                 raise UserError(f"adapters folder {directory} has no adapter {adapter!r} (expected {directory / adapter}/adapter_model.safetensors); was it trained for another team?")
             weights = load_peft_weights(str(sub), device=str(next(self.bases[base].parameters()).device))
-            result = set_peft_model_state_dict(self.bases[base], weights, adapter_name=adapter)
+            try:
+                result = set_peft_model_state_dict(self.bases[base], weights, adapter_name=adapter)
+            except RuntimeError as e:  # shapes differ: another rank or another model
+                raise UserError(f"adapter {adapter!r} in {sub} does not fit this model ({str(e).splitlines()[0][:160]}); "
+                                "check model.name and model.lora") from None
             if getattr(result, "unexpected_keys", None):
                 raise UserError(f"adapter {adapter!r} in {sub} does not fit this model (unexpected weights such as {result.unexpected_keys[0]}); check model.name and model.lora")
-
-
-def _adapter_folder(directory: Path, adapter: str) -> Path | None:
-    for cand in (directory / adapter, directory):
-        if (cand / "adapter_config.json").is_file():
-            if cand == directory and adapter != "default":
-                continue
-            return cand
-    return None

@@ -76,6 +76,7 @@ class Trainer:
         # 1. rollout
         out = self._rollout(it)
         times["rollout_s"] = time.perf_counter() - t0
+        times["generation_s"] = out.gen_seconds  # the rest of rollout_s is prompts and scoring
         # 2-4. rewards, values, advantages
         t1 = time.perf_counter()
         targets = self._targets(out)
@@ -211,7 +212,7 @@ class Trainer:
                 ret = torch.cat([targets[i].returns for i in idx])
             g = torch.Generator().manual_seed(_seed(self.cfg, self.iteration, 2))
             total, count = 0.0, 0
-            bs = max(tr.minibatch_size, len(feats) // 4 or 1)
+            bs = max(tr.minibatch_size, len(feats) // 4 or 1)  # about four minibatches per pass
             for _ in range(tr.critic_epochs):
                 for mb in torch.randperm(len(feats), generator=g).split(bs):
                     loss = losses.value_loss(head(feats[mb]), old[mb], ret[mb], None, tr.value_clip or None)

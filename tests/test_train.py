@@ -29,7 +29,8 @@ def vowel_overrides(tiny_model_dir, tmp_path):
     return [f"model.name={tiny_model_dir}", "model.dtype=float32", "model.device=cpu",
             "task.kind=custom", f"task.env={env}:Vowel", "task.options={}",
             "rollout.max_new_tokens=2", "rollout.episodes=32", "eval.problems=4",
-            "train.lr=1e-2", "train.epochs=2", "train.entropy_coef=0", f"output_dir={tmp_path / 'run'}"]
+            "rollout.temperature=1.0", "train.lr=1e-2", "train.critic_lr=1e-4", "train.epochs=2",
+            "train.minibatch_size=16", "train.entropy_coef=0", f"output_dir={tmp_path / 'run'}"]
 
 
 def trainer_for(overrides):
@@ -91,7 +92,7 @@ def test_token_level_returns_at_first_tokens_equal_action_level_returns(vowel_ov
 
 
 def comparable(path):
-    skip = {"seconds", "tokens_per_s", "rollout_s", "critic_features_s", "critic_update_s", "policy_update_s"}
+    skip = {"seconds", "tokens_per_s", "rollout_s", "generation_s", "critic_features_s", "critic_update_s", "policy_update_s"}
     return [{k: v for k, v in json.loads(line).items() if k not in skip} for line in path.read_text().splitlines()]
 
 
