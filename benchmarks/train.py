@@ -12,6 +12,7 @@ policy with LoRA (what an update costs), in tokens (prompt + reply) per second, 
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import time
 from pathlib import Path
@@ -67,6 +68,9 @@ def main() -> None:
     print(f"| forward only, no gradients (behaviour log-probs) | {fwd_s:.1f} | {tokens / fwd_s:.0f} |")
     print(f"| forward + backward with LoRA, entropy{' + KL' if cfg.train.kl_coef else ''} | {fwd_bwd_s:.1f} | {tokens / fwd_bwd_s:.0f} |")
     print(f"| ratio forward+backward / forward | {fwd_bwd_s / fwd_s:.2f}x | |")
+    print()
+    print(f"peak resident memory of this process (model, two adapters, critic, optimisers, learner): "
+          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
 
 
 if __name__ == "__main__":
