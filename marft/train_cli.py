@@ -30,7 +30,9 @@ def cmd_train(args) -> int:
         ckpt = latest_checkpoint(run_dir)
         if ckpt is None:
             raise UserError(f"{run_dir} has no complete checkpoint to resume from (expected {run_dir}/checkpoints/latest)")
-        cfg = load_config(ckpt / "config.yaml", [*([args.config] if args.config and "=" in args.config else []), *args.overrides])
+        overrides = [*([args.config] if args.config and "=" in args.config else []), *args.overrides]
+        # the run folder is where it is now, whatever output_dir said (a relative path, another cwd)
+        cfg = load_config(ckpt / "config.yaml", [*overrides, f"output_dir={run_dir}"])
     else:
         if not args.config:
             raise UserError("marft train needs a config file (e.g. configs/duo_arithmetic.yaml) or --resume RUN_DIR")

@@ -2,6 +2,7 @@
 training freezes the other agents, critic warm-up freezes the policy, and a resumed run repeats an
 uninterrupted one."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -123,3 +124,16 @@ def test_existing_run_folder_needs_resume(vowel_overrides, tmp_path, capsys):
     assert main(["train", "configs/duo_arithmetic.yaml", *vowel_overrides, "train.iterations=1", f"output_dir={run}"]) == 2
     assert f"--resume {run}" in capsys.readouterr().err
     assert main(["train", "--resume", str(tmp_path / "nothing")]) == 2
+
+
+def test_resume_from_another_directory(vowel_overrides, tmp_path, monkeypatch):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    over = [o for o in vowel_overrides if not o.startswith("output_dir=")]
+    assert main(["train", str(Path(__file__).parents[1] / "configs/duo_arithmetic.yaml"),
+                 *over, "train.iterations=1", "output_dir=rel_run"]) == 0
+    monkeypatch.chdir(tmp_path / "b")
+    assert main(["train", "--resume", str(tmp_path / "a" / "rel_run"), "train.iterations=2"]) == 0
+    assert latest_checkpoint(tmp_path / "a" / "rel_run").name == "iter_000002"
+    assert not (tmp_path / "b" / "rel_run").exists()
