@@ -14,8 +14,15 @@ from pathlib import Path
 from .errors import UserError
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a wrong command or flag is a :class:`UserError` (one line, status 2)."""
+
+    def error(self, message: str):
+        raise UserError(f"{message}; see {self.prog} --help")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="marft", description="Multi-agent reinforcement fine-tuning for LLM agent teams.")
+    p = _Parser(prog="marft", description="Multi-agent reinforcement fine-tuning for LLM agent teams.")
     p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -38,9 +45,28 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """Parse the command line; ``key=value`` items after a flag (``--adapters DIR k=v``) are
+    overrides too, anything else unknown is an error."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    unknown = [x for x in extra if x.startswith("-") or "=" not in x]
+    if unknown:
+        raise UserError(f"unrecognized arguments: {' '.join(unknown)}; see marft {args.command} --help")
+    if extra:
+        if args.command == "env-check":
+            args.options = [*args.options, *extra]
+        else:
+            args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv
     try:
+        args = _parse(argv)
+        debug = args.debug
         if args.command == "eval":
             return cmd_eval(args)
         if args.command == "train":
@@ -50,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "env-check":
             return cmd_env_check(args)
     except UserError as e:
-        if args.debug:
+        if debug:
             raise
         print(f"marft: error: {e}", file=sys.stderr)
         return 2
@@ -92,6 +118,15 @@ def prepare(cfg):
     return team, models, make_env
 
 
+def make_dir(path: Path, key: str) -> Path:
+    """Create the folder ``path`` named by config key ``key``, or say why not (a UserError)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create the folder {path} for {key} ({e.strerror}); choose another {key}=...") from None
+    return path
+
+
 def cmd_eval(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -103,6 +138,8 @@ def cmd_eval(args) -> int:
     console = Console(stderr=True)
     console.print(f"[bold]marft eval[/] {args.config}: team {' -> '.join(a.name for a in cfg.team.agents)}, "
                   f"model {cfg.model.name}, task {cfg.task.kind}:{cfg.task.name if cfg.task.kind == 'reasoning_gym' else cfg.task.test_path or cfg.task.env}")
+    out = Path(cfg.eval.output or Path(cfg.output_dir) / "eval.json")
+    make_dir(out.parent, "eval.output" if cfg.eval.output else "output_dir")  # fail now, not after the evaluation
     team, models, make_env = prepare(cfg)
     if args.adapters:
         models.load_adapters(args.adapters)
@@ -122,7 +159,6 @@ def cmd_eval(args) -> int:
         result = evaluate(cfg, team, models, make_env, num, progress)
     result["config"] = args.config
     result["adapters"] = args.adapters or None
-    out = Path(cfg.eval.output or Path(cfg.output_dir) / "eval.json")
     write_json(result, out)
     Console().print(format_table(result, title=f"{' -> '.join(team.names)} on {cfg.task.name if cfg.task.kind == 'reasoning_gym' else cfg.task.kind}"
                                  + (" (trained adapters)" if args.adapters else " (untrained)")))

@@ -177,6 +177,9 @@ class TrainConfig:
     """Held-out evaluation every n iterations (and at the end); 0 = only at the end."""
     save_every: int = 5
     """Checkpoint every n iterations (and at the end)."""
+    max_bad_updates: int = 5
+    """Stop the run (exit status 2, the last checkpoint kept) after this many policy updates in a row
+    were skipped for non-finite log-probabilities, losses or gradients; 0 = never stop."""
 
 
 @dataclass
@@ -368,7 +371,8 @@ def validate(cfg: RunConfig) -> None:
         _check(getattr(tr, name) >= 1, f"train.{name} must be at least 1, got {getattr(tr, name)}")
     for name in ("lr", "critic_lr", "clip", "max_grad_norm"):
         _check(getattr(tr, name) > 0, f"train.{name} must be positive, got {getattr(tr, name)}")
-    for name in ("value_clip", "entropy_coef", "kl_coef", "target_kl", "agent_by_agent", "critic_warmup", "eval_every"):
+    for name in ("value_clip", "entropy_coef", "kl_coef", "target_kl", "agent_by_agent", "critic_warmup", "eval_every",
+                 "max_bad_updates"):
         _check(getattr(tr, name) >= 0, f"train.{name} must be 0 (off) or positive, got {getattr(tr, name)}")
     _check(cfg.threads >= 0, f"threads must be 0 (default) or positive, got {cfg.threads}")
     from .team import build_team

@@ -52,9 +52,14 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return torch.device(name)
+        device = torch.device(name)
     except RuntimeError:
         raise UserError(f"config: model.device {name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"config: model.device is {name!r} but no CUDA GPU is available here; use model.device=cpu or auto")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise UserError(f"config: model.device is {name!r} but this machine has {torch.cuda.device_count()} GPU(s); use cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+    return device
 
 
 def resolve_model(name: str, cache_dir: str = "") -> str:
@@ -128,7 +133,8 @@ def load_base(name: str, dtype: str = "auto", device: str = "auto", cache_dir: s
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=pick_dtype(dtype, dev))
     except ValueError as e:
-        raise UserError(f"model {name!r} is not a causal language model transformers can load: {str(e).splitlines()[0]}") from None
+        raise UserError(f"model {name!r} is not a causal language model transformers can load ({str(e).splitlines()[0]}); "
+                        "give a decoder-only chat model such as Qwen/Qwen2.5-0.5B-Instruct") from None
     except OSError as e:
         raise UserError(f"cannot load model {name!r}: {str(e).splitlines()[0]}") from None
     model.to(dev).eval()
@@ -248,11 +254,17 @@ class TeamModel:
             sub = directory / adapter
             if not (sub / "adapter_config.json").is_file():
                 raise UserError(f"adapters folder {directory} has no adapter {adapter!r} (expected {directory / adapter}/adapter_model.safetensors); was it trained for another team?")
-            weights = load_peft_weights(str(sub), device=str(next(self.bases[base].parameters()).device))
+            try:
+                weights = load_peft_weights(str(sub), device=str(next(self.bases[base].parameters()).device))
+            except Exception as e:  # noqa: BLE001 - a truncated or corrupt weights file
+                raise UserError(f"adapter {adapter!r} in {sub} cannot be read ({type(e).__name__}: "
+                                f"{' '.join(str(e).split())[:120]}); the file is truncated or corrupt: replace it or use an earlier checkpoint") from None
             try:
                 result = set_peft_model_state_dict(self.bases[base], weights, adapter_name=adapter)
             except RuntimeError as e:  # shapes differ: another rank or another model
-                raise UserError(f"adapter {adapter!r} in {sub} does not fit this model ({str(e).splitlines()[0][:160]}); "
+                lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+                reason = next((x for x in lines if x.startswith("size mismatch")), lines[0] if lines else "")
+                raise UserError(f"adapter {adapter!r} in {sub} does not fit this model ({reason[:300]}); "
                                 "check model.name and model.lora") from None
             if getattr(result, "unexpected_keys", None):
                 raise UserError(f"adapter {adapter!r} in {sub} does not fit this model (unexpected weights such as {result.unexpected_keys[0]}); check model.name and model.lora")

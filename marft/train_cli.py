@@ -19,7 +19,7 @@ from .errors import UserError
 def cmd_train(args) -> int:
     from rich.console import Console
 
-    from .cli import prepare
+    from .cli import make_dir, prepare
     from .config import load_config, save_config
     from .evaluate import evaluate, write_json
     from .trainer import Trainer, append_metrics, latest_checkpoint, truncate_metrics
@@ -27,12 +27,15 @@ def cmd_train(args) -> int:
     console = Console(stderr=True)
     if args.resume:
         run_dir = Path(args.resume)
+        if not run_dir.is_dir():
+            raise UserError(f"run folder {run_dir} not found; --resume takes the output_dir of an earlier marft train run")
         ckpt = latest_checkpoint(run_dir)
         if ckpt is None:
             raise UserError(f"{run_dir} has no complete checkpoint to resume from (expected {run_dir}/checkpoints/latest)")
         overrides = [*([args.config] if args.config and "=" in args.config else []), *args.overrides]
         # the run folder is where it is now, whatever output_dir said (a relative path, another cwd)
         cfg = load_config(ckpt / "config.yaml", [*overrides, f"output_dir={run_dir}"])
+        _check_same_run(load_config(ckpt / "config.yaml", [f"output_dir={run_dir}"]), cfg, ckpt)
     else:
         if not args.config:
             raise UserError("marft train needs a config file (e.g. configs/duo_arithmetic.yaml) or --resume RUN_DIR")
@@ -41,10 +44,13 @@ def cmd_train(args) -> int:
         if latest_checkpoint(run_dir) is not None:
             raise UserError(f"run folder {run_dir} already has checkpoints; continue it with --resume {run_dir} "
                             "or choose another output_dir=...")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
+        make_dir(run_dir, "output_dir")
     team, models, make_env = prepare(cfg)
     trainer = Trainer(cfg, team, models, make_env, log=lambda m: console.print(f"[yellow]{m}[/]"))
+    if args.resume:
+        trainer.load(ckpt)  # every check passes before anything in the run folder changes
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
     metrics_path = run_dir / "metrics.jsonl"
     probe = make_env()
     num = probe.num_problems("test") if hasattr(probe, "num_problems") else None
@@ -60,7 +66,6 @@ def cmd_train(args) -> int:
         return res
 
     if args.resume:
-        trainer.load(ckpt)
         truncate_metrics(metrics_path, trainer.iteration)
         console.print(f"resumed {run_dir} at iteration {trainer.iteration} from {ckpt.name}")
     else:
@@ -110,6 +115,22 @@ def cmd_train(args) -> int:
         writer.close()
     _print_comparison(run_dir, final)
     return 0
+
+
+def _check_same_run(saved, cfg, ckpt: Path) -> None:
+    """What a resumed run may not change: its team, adapters, algorithm and LoRA shape (the
+    checkpoint holds the weights and optimiser states of exactly those)."""
+    from .team import build_team
+
+    old, new = build_team(saved.team), build_team(cfg.team)
+    lo_a, lo_b = saved.model.lora, cfg.model.lora
+    for what, a, b in [("team.preset", saved.team.preset, cfg.team.preset), ("the team's agents", old.names, new.names),
+                       ("team.share_adapter", saved.team.share_adapter, cfg.team.share_adapter),
+                       ("the adapters", old.adapters, new.adapters), ("train.algorithm", saved.train.algorithm, cfg.train.algorithm),
+                       ("model.lora", (lo_a.r, lo_a.alpha, lo_a.target_modules), (lo_b.r, lo_b.alpha, lo_b.target_modules))]:
+        if a != b:
+            raise UserError(f"--resume cannot change {what} ({a} -> {b}): {ckpt} holds the weights of the run as it was; "
+                            "drop that override, or start a new run with another output_dir=...")
 
 
 def _line(m: dict, total: int, left_s: float) -> str:

@@ -9,6 +9,13 @@
 6. policy update: each trained agent's adapter with its own AdamW, clipped PPO surrogate, in
    minibatches with gradient accumulation.
 
+Numerical trouble never reaches the weights: a micro-batch with non-finite log-probabilities (from
+the rollout or recomputed) or a non-finite loss is skipped, and so is an update with a non-finite
+gradient (or with nothing left to learn from), each with a warning; ``train.max_bad_updates``
+skipped updates in a row stop the run with a :class:`UserError`, its last checkpoint untouched.
+The metrics count skipped updates and degenerate batches (every episode rewarded the same, empty
+or truncated replies).
+
 Checkpoints (adapters in PEFT format, critic, optimisers, iteration, config) are written atomically
 to ``<output_dir>/checkpoints/iter_NNNNNN`` and ``latest`` names the newest complete one. Every
 random choice of iteration i is seeded from (seed, i), so a resumed run repeats an uninterrupted one.
@@ -67,11 +74,14 @@ class Trainer:
         self.critic_opt = {k: torch.optim.AdamW(h.parameters(), lr=tr.critic_lr) for k, h in self.heads.items()}
         self.policy_opt = {a: torch.optim.AdamW(models.adapter_parameters(a), lr=tr.lr) for a in team.adapters}
         self.iteration = 0
+        self.bad_in_a_row = 0  # skipped policy updates since the last good one (train.max_bad_updates)
+        self.skipped = {"updates": 0, "micro_batches": 0, "critic_updates": 0}  # in the current iteration
 
     # ------------------------------------------------------------------ one iteration
     def iteration_step(self) -> dict:
         cfg, tr, it = self.cfg, self.cfg.train, self.iteration
         times = {}
+        self.skipped = dict.fromkeys(self.skipped, 0)
         t0 = time.perf_counter()
         # 1. rollout
         out = self._rollout(it)
@@ -103,6 +113,9 @@ class Trainer:
             "seconds": total,
             "trained": trained,
             **times, **critic_stats, **policy_stats,
+            **{f"skipped/{k}": v for k, v in self.skipped.items()},
+            "skipped/updates_in_a_row": self.bad_in_a_row,
+            **self._degenerate_stats(out),
         }
         for agent in self.team.names:
             rows = [t for t in out.turns if t.agent == agent]
@@ -110,6 +123,20 @@ class Trainer:
             metrics[f"{agent}/reply_tokens"] = float(lens.mean())
             metrics[f"{agent}/truncated"] = float(torch.cat([t.truncated.float() for t in rows]).mean())
         return metrics
+
+    def _degenerate_stats(self, out: Rollout) -> dict:
+        """How much of the batch carries no learning signal: ``degenerate/same_reward`` is the share
+        of groups (grpo; otherwise the whole batch is one group) whose episodes all got the same
+        return; ``responses/empty`` and ``responses/truncated`` the share of replies with no text and
+        of replies cut at ``rollout.max_new_tokens``."""
+        returns = out.rewards.sum(1)
+        size = self.cfg.train.group_size if self.algorithm == "grpo" else len(returns)
+        groups = returns.view(-1, size)
+        same = (groups == groups[:, :1]).all(1).float().mean()
+        texts = [x for t in out.turns for x in t.texts]
+        return {"degenerate/same_reward": float(same),
+                "responses/empty": sum(not x.strip() for x in texts) / max(len(texts), 1),
+                "responses/truncated": float(torch.cat([t.truncated.float() for t in out.turns]).mean())}
 
     def _rollout(self, it: int) -> Rollout:
         cfg, tr = self.cfg, self.cfg.train
@@ -218,7 +245,12 @@ class Trainer:
                     loss = losses.value_loss(head(feats[mb]), old[mb], ret[mb], None, tr.value_clip or None)
                     self.critic_opt[key].zero_grad()
                     loss.backward()
-                    torch.nn.utils.clip_grad_norm_(head.parameters(), tr.max_grad_norm)
+                    gn = torch.nn.utils.clip_grad_norm_(head.parameters(), tr.max_grad_norm)
+                    if not (torch.isfinite(loss) and torch.isfinite(gn)):
+                        self.log(f"warning: non-finite value loss or gradient for critic {key} at iteration {self.iteration}; update skipped")
+                        self.critic_opt[key].zero_grad()
+                        self.skipped["critic_updates"] += 1
+                        continue
                     self.critic_opt[key].step()
                     total, count = total + float(loss.detach()), count + 1
             stats[f"value_loss/{key}" if key != "team" else "value_loss"] = total / max(count, 1)
@@ -248,11 +280,16 @@ class Trainer:
                     opt.zero_grad()
                     mb_stats = self._accumulate(out, mb, old, norm_adv, len(mb))
                     gn = torch.nn.utils.clip_grad_norm_(params, tr.max_grad_norm)
-                    if not torch.isfinite(gn):
-                        self.log(f"warning: non-finite gradient for adapter {adapter} at iteration {self.iteration}; update skipped")
+                    if not mb_stats.pop("used") or not torch.isfinite(gn):
+                        if torch.isfinite(gn):
+                            self.log(f"warning: every micro-batch of an update of adapter {adapter} was skipped at iteration {self.iteration}; update skipped")
+                        else:
+                            self.log(f"warning: non-finite gradient for adapter {adapter} at iteration {self.iteration}; update skipped")
                         opt.zero_grad()
+                        self._skip_update()
                         continue
                     opt.step()
+                    self.bad_in_a_row = 0
                     for k in agg:
                         agg[k] += mb_stats.get(k, 0.0) if k != "grad_norm" else float(gn)
                     n_mb += 1
@@ -266,6 +303,18 @@ class Trainer:
                 stats[prefix + k] = v / max(n_mb, 1)
             stats[prefix + "early_stop"] = stopped
         return stats
+
+    def _skip_update(self) -> None:
+        """Count a skipped policy update; ``train.max_bad_updates`` in a row stop the run."""
+        self.skipped["updates"] += 1
+        self.bad_in_a_row += 1
+        limit = self.cfg.train.max_bad_updates
+        if limit and self.bad_in_a_row >= limit:
+            last = latest_checkpoint(self.run_dir)
+            kept = f"the last checkpoint, {last}, is kept as it was" if last else "no checkpoint had been written"
+            raise UserError(f"training stopped at iteration {self.iteration + 1}: {self.bad_in_a_row} policy updates in a row were "
+                            f"skipped for non-finite log-probabilities, losses or gradients ({kept}); lower train.lr, try "
+                            "model.dtype=float32, or raise train.max_bad_updates, then marft train --resume")
 
     def _normalised_advantages(self, out: Rollout, targets: list[TurnTargets]) -> list[torch.Tensor]:
         advs = [tg.advantages for tg in targets]
@@ -319,7 +368,7 @@ class Trainer:
         by_turn: dict[int, list[int]] = {}
         for i, r in mb:
             by_turn.setdefault(i, []).append(r)
-        stats = {"policy_loss": 0.0, "entropy": 0.0, "approx_kl": 0.0, "clip_fraction": 0.0, "kl_ref": 0.0}
+        stats = {"policy_loss": 0.0, "entropy": 0.0, "approx_kl": 0.0, "clip_fraction": 0.0, "kl_ref": 0.0, "used": 0}
         for i, rs in by_turn.items():
             t = out.turns[i]
             for lo in range(0, len(rs), tr.micro_batch_size):
@@ -333,6 +382,13 @@ class Trainer:
                 with self.models.acting(t.agent) as (model, _):
                     lp, logits = self._forward(model, t, chunk, tr.entropy_coef > 0)
                 old_lp = old[i][chunk].to(lp.device)
+                bad = [name for name, x in (("rollout", t.logprobs[chunk]), ("recomputed", old_lp), ("current", lp),
+                                            ("reference", ref_lp)) if x is not None and not _finite(x, rmask)]
+                if bad:
+                    self.log(f"warning: non-finite {', '.join(bad)} log-probabilities for agent {t.agent} at iteration "
+                             f"{self.iteration}; micro-batch skipped")
+                    self.skipped["micro_batches"] += 1
+                    continue
                 a = norm_adv[i]
                 if self.token_level:
                     a = a.view(len(t.episodes), -1)[chunk].to(lp.device)
@@ -353,8 +409,10 @@ class Trainer:
                     stats["kl_ref"] += w * float(kl.detach())
                 if not torch.isfinite(loss):
                     self.log(f"warning: non-finite loss for agent {t.agent} at iteration {self.iteration}; micro-batch skipped")
+                    self.skipped["micro_batches"] += 1
                     continue
                 (loss * w).backward()
+                stats["used"] += 1
                 stats["policy_loss"] += w * float(pl.detach())
                 stats["approx_kl"] += w * st["approx_kl"]
                 stats["clip_fraction"] += w * st["clip_fraction"]
@@ -381,6 +439,7 @@ class Trainer:
             "team": self.team.names,
             "adapters": self.team.adapters,
             "algorithm": self.algorithm,
+            "bad_in_a_row": self.bad_in_a_row,
         }, tmp / "trainer.pt")
         save_config(self.cfg, tmp / "config.yaml")
         _fsync_tree(tmp)
@@ -397,18 +456,32 @@ class Trainer:
         try:
             state = torch.load(path, weights_only=False)
         except Exception as e:  # truncated or corrupt file
-            raise UserError(f"checkpoint {checkpoint} cannot be read ({type(e).__name__}); resume from an earlier one") from None
-        if state["team"] != self.team.names or state["adapters"] != self.team.adapters or state["algorithm"] != self.algorithm:
-            raise UserError(f"checkpoint {checkpoint} was written for team {state['team']} ({state['algorithm']}), "
-                            f"not {self.team.names} ({self.algorithm}); resume with the run's own config")
+            earlier = sorted(p.name for p in checkpoint.parent.glob("iter_*") if p != checkpoint and (p / "trainer.pt").is_file())
+            hint = (f"to resume from an earlier one, write its name ({', '.join(earlier[-3:])}) into {checkpoint.parent / 'latest'}"
+                    if earlier else "there is no earlier checkpoint; start a new run")
+            raise UserError(f"checkpoint {checkpoint} cannot be read ({type(e).__name__}: the file is truncated or corrupt); {hint}") from None
+        mine = (self.team.names, self.team.adapters, self.algorithm)
+        if (state["team"], state["adapters"], state["algorithm"]) != mine:
+            raise UserError(f"checkpoint {checkpoint} was written for team {state['team']} with adapters {state['adapters']} "
+                            f"({state['algorithm']}), not {mine[0]} with adapters {mine[1]} ({mine[2]}); resume with the run's own config")
         self.models.load_adapters(checkpoint / "adapters")
         for k, h in self.heads.items():
             h.load_state_dict(state["heads"][k])
             self.critic_opt[k].load_state_dict(state["critic_opt"][k])
         for k, o in self.policy_opt.items():
             o.load_state_dict(state["policy_opt"][k])
+        for opts, lr in ((self.policy_opt, self.cfg.train.lr), (self.critic_opt, self.cfg.train.critic_lr)):
+            for o in opts.values():  # the config's learning rates, not the saved ones: an override on resume counts
+                for group in o.param_groups:
+                    group["lr"] = lr
         torch.set_rng_state(state["torch_rng"])
         self.iteration = state["iteration"]
+        self.bad_in_a_row = state.get("bad_in_a_row", 0)
+
+
+def _finite(x: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Whether ``x`` [b, R] is finite wherever ``mask`` [b, R] is True (padding may hold anything)."""
+    return bool(torch.isfinite(x[mask.to(x.device)]).all())
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

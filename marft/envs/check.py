@@ -200,7 +200,8 @@ def load_env_class(spec: str) -> Callable:
 
 
 def main_check(spec: str, options: dict) -> int:
-    """Check the environment ``spec`` built with ``options``; print the verdict; 0 if it conforms.
+    """Check the environment ``spec`` built with ``options``; print the verdict; 0 if it conforms,
+    1 (with one ``marft: error:`` line on stderr) if it does not.
 
     Raises :class:`UserError` when ``spec`` cannot be loaded (see :func:`load_env_class`).
     """
@@ -211,4 +212,6 @@ def main_check(spec: str, options: dict) -> int:
     print(f"env-check: {spec} has {len(problems)} problem(s) ({count} checks):")
     for p in problems:
         print(f"  - {p}")
+    print(f"marft: error: environment {spec} does not conform ({len(problems)} problem(s) listed above); "
+          "fix them and run marft env-check again", file=sys.stderr)
     return 1

@@ -1,0 +1,236 @@
+"""Every row of docs/errors.md: a wrong input gets one line ``marft: error: ...`` that names the
+problem, a non-zero status (2 for user errors, as argparse), no traceback (``--debug`` shows it),
+and a failed ``--resume`` leaves the run folder byte for byte as it was."""
+import hashlib
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from marft.cli import main
+
+CONFIG = "configs/duo_arithmetic.yaml"
+
+ENVS = '''
+from marft.envs.base import TurnBasedEnv, Problem, Grade
+
+class Vowel(TurnBasedEnv):
+    def new_problem(self, rng, split, index):
+        return Problem("Say a word.", None)
+    def grade(self, problem, reply):
+        return Grade(reply.strip()[:1].lower() in tuple("aeiou"), True)
+
+class NeverEnds(Vowel):
+    def step(self, action):
+        super().step(action)
+        self.agents = list(self.possible_agents)
+'''
+
+
+@pytest.fixture(scope="module")
+def f(tiny_model_dir, tmp_path_factory):
+    """Bad inputs of every kind, and a trained run folder (1 iteration) to resume."""
+    d = tmp_path_factory.mktemp("bad-inputs")
+    (d / "envs.py").write_text(ENVS)
+    (d / "broken_env.py").write_text("import no_such_dependency_xyz\n")
+    (d / "bad.yaml").write_text("model: [\n")
+    (d / "empty.jsonl").write_text("")
+    (d / "badline.jsonl").write_text('{"problem": "1+1?", "answer": "2"}\n{"problem": "2+2?", "answer": \n')
+    (d / "noanswer.jsonl").write_text('{"problem": "1+1?", "answer": "2"}\n{"problem": "2+2?"}\n')
+    nochat = shutil.copytree(tiny_model_dir, d / "nochat")
+    (nochat / "chat_template.jinja").unlink(missing_ok=True)
+    t5 = shutil.copytree(tiny_model_dir, d / "t5")
+    (t5 / "model.safetensors").unlink()
+    from transformers import T5Config
+
+    T5Config(d_model=16, d_ff=32, num_layers=1, num_heads=2, vocab_size=400).save_pretrained(t5)
+    tiny = [f"model.name={tiny_model_dir}", "model.dtype=float32", "model.device=cpu", "rollout.max_new_tokens=2",
+            "rollout.episodes=4", "eval.problems=2", "train.minibatch_size=4"]
+    vowel = ["task.kind=custom", f"task.env={d / 'envs.py'}:Vowel", "task.options={}"]
+    run = d / "run"
+    assert main(["train", CONFIG, *tiny, *vowel, "train.iterations=1", f"output_dir={run}"]) == 0
+    return SimpleNamespace(d=d, tiny=[*tiny, f"output_dir={d / 'out'}"], vowel=vowel, run=run, model=tiny_model_dir)
+
+
+def one_line_error(capsys, rc_expected=2) -> str:
+    """The single ``marft: error:`` line (the last of stderr); fails on a traceback."""
+    return check_error(capsys.readouterr(), rc_expected)
+
+
+def check_error(captured, rc_expected) -> str:
+    err = captured.err
+    assert "Traceback" not in err and "Traceback" not in captured.out
+    lines = [x for x in err.strip().splitlines() if x.strip()]
+    errors = [x for x in lines if x.startswith("marft: error:")]
+    assert len(errors) == 1 and errors[0] == lines[-1], err
+    return errors[0]
+
+
+def math(path):
+    return ["task.kind=math", "task.options={}", f"task.test_path={path}"]
+
+
+# (row id, args built from the fixture, text the message must hold)
+ROWS = [
+    # configs
+    ("config-missing", lambda f: ["eval", "configs/nope.yaml"], "config file configs/nope.yaml not found"),
+    ("config-not-yaml", lambda f: ["eval", str(f.d / "bad.yaml")], "is not valid YAML at line 2"),
+    ("unknown-key", lambda f: ["eval", CONFIG, *f.tiny, "rollout.temprature=1"],
+     "unknown key 'rollout.temprature' (did you mean 'rollout.temperature'?)"),
+    ("wrong-type", lambda f: ["eval", CONFIG, *f.tiny, "rollout.episodes=abc"], "rollout.episodes must be an integer, got 'abc'"),
+    ("out-of-range", lambda f: ["eval", CONFIG, *f.tiny, "rollout.temperature=-1"], "rollout.temperature must be positive, got -1.0"),
+    ("override-without-value", lambda f: ["eval", CONFIG, "rollout.temperature"], "must look like key=value"),
+    ("section-not-mapping", lambda f: ["eval", CONFIG, "rollout=5"], "rollout must be a mapping of keys, got 5"),
+    ("empty-team", lambda f: ["eval", CONFIG, *f.tiny, "team.agents=[]"], "team.agents is empty"),
+    ("unknown-preset", lambda f: ["eval", CONFIG, *f.tiny, "team.preset=octet"], "unknown team.preset 'octet'"),
+    ("graph-cycle", lambda f: ["eval", CONFIG, *f.tiny, "team.agents=[{name: a}, {name: b}]", "team.graph={a: [b], b: [a]}"],
+     "team.graph has a cycle among a, b"),
+    ("agent-twice", lambda f: ["eval", CONFIG, *f.tiny, "team.agents=[{name: a}, {name: a}]"], "agent name 'a' is used twice"),
+    ("graph-unknown-agent", lambda f: ["eval", CONFIG, *f.tiny, "team.graph={judge: [planner]}"],
+     "team.graph names agent 'judge', which is not in team.agents"),
+    ("agent-index", lambda f: ["eval", CONFIG, *f.tiny, "team.agents.5.prompt=x"], "team.agents has 2 entries; index '5'"),
+    ("adapter-two-models", lambda f: ["eval", CONFIG, *f.tiny, "team.agents=[{name: a1, adapter: shared}, "
+                                      f"{{name: a2, adapter: shared, model: {f.d / 'nochat'}}}]"],
+     "adapter 'shared' is used by agents on different base models"),
+    ("adapters-missing", lambda f: ["eval", CONFIG, *f.tiny, "--adapters", str(f.d / "none")], "adapters folder"),
+    ("adapters-other-team", lambda f: ["eval", CONFIG, *f.tiny, "--adapters", str(f.run / "checkpoints/iter_000001/adapters"),
+                                       "team.preset=trio"], "has no adapter 'verifier'"),
+    ("adapters-other-rank", lambda f: ["eval", CONFIG, *f.tiny, "model.lora.r=4", "--adapters",
+                                       str(f.run / "checkpoints/iter_000001/adapters")], "does not fit this model (size mismatch"),
+    ("output-dir-is-a-file", lambda f: ["train", CONFIG, *f.tiny, f"output_dir={f.d / 'envs.py'}"], "cannot create the folder"),
+    ("device-without-gpu", lambda f: ["eval", CONFIG, *f.tiny, "model.device=cuda"], "no CUDA GPU is available"),
+    # models
+    ("model-missing", lambda f: ["eval", CONFIG, *f.tiny, "model.name=/no/such/model"], "model '/no/such/model' not found"),
+    ("model-gguf-missing", lambda f: ["eval", CONFIG, *f.tiny, "model.name=/no/model.gguf"], "model file /no/model.gguf not found"),
+    ("model-folder-no-config", lambda f: ["eval", CONFIG, *f.tiny, f"model.name={f.d}"], "has no config.json"),
+    ("model-not-causal", lambda f: ["eval", CONFIG, *f.tiny, f"model.name={f.d / 't5'}"], "is not a causal language model"),
+    ("model-no-chat-template", lambda f: ["eval", CONFIG, *f.tiny, f"model.name={f.d / 'nochat'}"],
+     "has a tokenizer without a chat template"),
+    ("lora-targets", lambda f: ["eval", CONFIG, *f.tiny, "model.lora.target_modules=[foo]"], "do not fit model"),
+    # data
+    ("data-missing", lambda f: ["eval", CONFIG, *f.tiny, *math(f.d / "none.jsonl")], "does not exist"),
+    ("data-empty", lambda f: ["eval", CONFIG, *f.tiny, *math(f.d / "empty.jsonl")], "is empty"),
+    ("data-bad-line", lambda f: ["eval", CONFIG, *f.tiny, *math(f.d / "badline.jsonl")], "line 2 is not valid JSON"),
+    ("data-no-answer", lambda f: ["eval", CONFIG, *f.tiny, *math(f.d / "noanswer.jsonl")], "line 2 has no 'final_answer' or 'answer'"),
+    ("gym-unknown-dataset", lambda f: ["eval", CONFIG, *f.tiny, "task.name=basic_arithmetik"],
+     "unknown reasoning_gym dataset 'basic_arithmetik'"),
+    ("gym-bad-option", lambda f: ["eval", CONFIG, *f.tiny, "task.options={bogus: 1}"], "bad options {'bogus': 1}"),
+    # environments
+    ("env-import-error", lambda f: ["env-check", f"{f.d / 'broken_env.py'}:X"], "No module named 'no_such_dependency_xyz'"),
+    ("env-no-module", lambda f: ["env-check", "no_such_module:Env"], "cannot import module 'no_such_module'"),
+    ("env-no-class", lambda f: ["env-check", f"{f.d / 'envs.py'}:Nope"], "has no attribute 'Nope'"),
+    ("task-env-import-error", lambda f: ["eval", CONFIG, *f.tiny, "task.kind=custom", "task.options={}",
+                                         f"task.env={f.d / 'broken_env.py'}:X"], "cannot import module"),
+    # command line
+    ("unknown-command", lambda f: ["trian", CONFIG], "invalid choice: 'trian'"),
+    ("unknown-flag", lambda f: ["eval", CONFIG, "--foo"], "unrecognized arguments: --foo; see marft eval --help"),
+    ("no-command", lambda f: [], "the following arguments are required: COMMAND"),
+    ("train-without-config", lambda f: ["train"], "marft train needs a config file"),
+]
+
+
+@pytest.mark.parametrize("row,args,message", ROWS, ids=[r[0] for r in ROWS])
+def test_bad_input_is_one_line_exit_2(f, capsys, row, args, message):
+    if row == "device-without-gpu" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    rc = main(args(f))
+    line = one_line_error(capsys)
+    assert rc == 2 and message in line, line
+
+
+def test_env_failing_conformance_exits_1(f, capsys):
+    rc = main(["env-check", f"{f.d / 'envs.py'}:NeverEnds"])
+    captured = capsys.readouterr()
+    line = check_error(captured, 1)
+    assert rc == 1 and "does not conform (1 problem(s) listed above)" in line
+    assert "the episode must end" in captured.out
+
+
+# ---------------------------------------------------------------- checkpoints and resume
+
+def tree_hash(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def run(f, tmp_path):
+    """A copy of the trained run folder (1 iteration, duo, marft)."""
+    return shutil.copytree(f.run, tmp_path / "run")
+
+
+def truncate(path: Path, keep: int = 300) -> None:
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+def foreign_trainer_state(path: Path) -> None:
+    """Make the checkpoint claim another team (as if copied in from a trio's run)."""
+    state = torch.load(path, weights_only=False)
+    state["team"] = state["adapters"] = ["planner", "solver", "verifier"]
+    torch.save(state, path)
+
+
+CKPT = "checkpoints/iter_000001"
+RESUME_ROWS = [
+    # (row id, how the run folder is damaged, extra arguments, text the message must hold)
+    ("truncated-trainer-state", lambda r: truncate(r / CKPT / "trainer.pt"), [], "cannot be read"),
+    ("truncated-adapter", lambda r: truncate(r / CKPT / "adapters/solver/adapter_model.safetensors"), [],
+     "adapter 'solver' in"),
+    ("corrupt-checkpoint-config", lambda r: (r / CKPT / "config.yaml").write_text("team: [\n"), [], "is not valid YAML"),
+    ("no-trainer-state", lambda r: (r / CKPT / "trainer.pt").unlink(), [], "has no trainer.pt"),
+    ("foreign-checkpoint", lambda r: foreign_trainer_state(r / CKPT / "trainer.pt"), [],
+     "was written for team ['planner', 'solver', 'verifier']"),
+    ("other-preset", None, ["team.preset=trio"], "--resume cannot change team.preset (duo -> trio)"),
+    ("other-agents", None, ["team.agents=[{name: x}, {name: y}, {name: z}]"], "--resume cannot change the team's agents"),
+    ("other-sharing", None, ["team.share_adapter=true"], "--resume cannot change team.share_adapter (False -> True)"),
+    ("other-algorithm", None, ["train.algorithm=ippo"], "--resume cannot change train.algorithm (marft -> ippo)"),
+    ("other-lora", None, ["model.lora.r=4"], "--resume cannot change model.lora"),
+    ("bad-override", None, ["train.lr=-1"], "train.lr must be positive"),
+]
+
+
+@pytest.mark.parametrize("row,damage,extra,message", RESUME_ROWS, ids=[r[0] for r in RESUME_ROWS])
+def test_failed_resume_harms_nothing(run, capsys, row, damage, extra, message):
+    if damage:
+        damage(run)
+    before = tree_hash(run)
+    rc = main(["train", "--resume", str(run), "train.iterations=2", *extra])
+    line = one_line_error(capsys)
+    assert rc == 2 and message in line, line
+    assert tree_hash(run) == before  # checkpoints, metrics.jsonl, config.yaml, eval files untouched
+
+
+def test_resume_of_a_missing_or_empty_run_folder(f, tmp_path, capsys):
+    assert main(["train", "--resume", str(tmp_path / "nothing")]) == 2
+    assert "run folder" in one_line_error(capsys) and not (tmp_path / "nothing").exists()
+    (tmp_path / "empty").mkdir()
+    assert main(["train", "--resume", str(tmp_path / "empty")]) == 2
+    assert "has no complete checkpoint to resume from" in one_line_error(capsys)
+    assert list((tmp_path / "empty").iterdir()) == []
+
+
+def test_new_run_into_a_folder_with_checkpoints(f, run, capsys):
+    before = tree_hash(run)
+    assert main(["train", CONFIG, *f.tiny, *f.vowel, f"output_dir={run}"]) == 2
+    assert f"continue it with --resume {run}" in one_line_error(capsys)
+    assert tree_hash(run) == before
+
+
+def test_resume_still_works_after_the_checks(run, capsys):
+    assert main(["train", "--resume", str(run), "train.iterations=2"]) == 0
+    assert (run / "checkpoints" / "iter_000002").is_dir()
+
+
+def test_debug_shows_the_traceback_and_no_debug_does_not(f):
+    cmd = [sys.executable, "-m", "marft.cli", "eval", CONFIG, "rollout.temprature=1"]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "marft: error: config: unknown key 'rollout.temprature' (did you mean 'rollout.temperature'?)"]
+    p = subprocess.run([*cmd[:3], "--debug", *cmd[3:]], capture_output=True, text=True)
+    assert p.returncode != 0 and "Traceback" in p.stderr and "UserError" in p.stderr
+    p = subprocess.run([*cmd[:3], "--debug", "trian"], capture_output=True, text=True)
+    assert p.returncode != 0 and "Traceback" in p.stderr
