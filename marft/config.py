@@ -81,16 +81,19 @@ class TeamConfig:
 @dataclass
 class TaskConfig:
     kind: str = "reasoning_gym"
-    """``reasoning_gym`` (procedural, no files), ``math`` (GSM8K/MATH-shaped files) or ``custom``."""
+    """``reasoning_gym`` (procedural, no files), ``math`` (GSM8K/MATH-shaped files), ``code``
+    (MBPP / HumanEval, run in a sandbox) or ``custom``."""
     name: str = "basic_arithmetic"
-    """reasoning_gym: the dataset name (``basic_arithmetic``, ``chain_sum``, ``gsm_symbolic`` ...)."""
+    """reasoning_gym: the dataset name (``basic_arithmetic``, ``chain_sum``, ``gsm_symbolic`` ...);
+    code: ``mbpp`` or ``humaneval``."""
     options: dict = field(default_factory=dict)
-    """Options for the reasoning_gym dataset (e.g. ``{min_terms: 2, max_terms: 2}``), or keyword
-    arguments of a custom environment."""
+    """Options for the reasoning_gym dataset (e.g. ``{min_terms: 2, max_terms: 2}``), the code task
+    (``reward: all | fraction``, ``timeout_s``, ``workers``, ``test_split``, ... see
+    :class:`marft.envs.code.CodeEnv`), or keyword arguments of a custom environment."""
     train_path: str = ""
-    """math: the training file (.json list or .jsonl)."""
+    """math: the training file (.json list or .jsonl); code: the MBPP file (split by task id)."""
     test_path: str = ""
-    """math: the held-out file."""
+    """math: the held-out file; code: the MBPP file (either path is enough)."""
     env: str = ""
     """custom: ``module:Class`` or ``path/to/file.py:Class`` of a :class:`marft.envs.TeamEnv`."""
     horizon: int = 1
@@ -348,8 +351,8 @@ def validate(cfg: RunConfig) -> None:
     _check(e.samples >= 1, f"eval.samples must be at least 1, got {e.samples}")
     _check(e.temperature >= 0, f"eval.temperature must be 0 (greedy) or positive, got {e.temperature}")
     t = cfg.task
-    _check(t.kind in ("reasoning_gym", "math", "custom"),
-           f"task.kind must be reasoning_gym, math or custom, got {t.kind!r}")
+    _check(t.kind in ("reasoning_gym", "math", "code", "custom"),
+           f"task.kind must be reasoning_gym, math, code or custom, got {t.kind!r}")
     _check(t.horizon >= 1, f"task.horizon must be at least 1, got {t.horizon}")
     _check(t.kind != "math" or bool(t.train_path or t.test_path),
            "task.kind is math but neither task.train_path nor task.test_path is set")

@@ -1,6 +1,7 @@
 """Evaluation: the team on held-out problems, k samples each with a fixed seed, summarised as a
-table (team accuracy with a 95% interval, answer-extraction rate, reply length per agent,
-tokens/s) and as JSON."""
+table (team accuracy = pass@1 with a 95% interval, pass@k for k samples, the share of problems
+solved by each turn of a multi-turn task, answer-extraction rate, reply length per agent, tokens/s)
+and as JSON."""
 from __future__ import annotations
 
 import json
@@ -23,6 +24,16 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
     centre = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
     return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k (Chen et al. 2021) of one problem with n samples of which c are correct:
+    1 - C(n-c, k) / C(n, k), the chance that at least one of k samples drawn without replacement is."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples per problem, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
 
 
 def accuracy_interval(success: torch.Tensor, z: float = 1.96) -> tuple[float, float, float]:
@@ -81,11 +92,16 @@ def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progr
             progress(done_eps, n * k, tokens)
     seconds = time.perf_counter() - start
     acc, ci_lo, ci_hi = accuracy_interval(success.view(n, k))
+    correct = success.view(n, k).sum(1).tolist()
+    ks = sorted({j for j in (1, 2, 5, 10, k) if j <= k})
+    solved_at = steps.view(n, k)[success.view(n, k)]  # the turn at which each success came
     return {
         "problems": n,
         "samples": k,
         "accuracy": acc,
         "ci95": [ci_lo, ci_hi],
+        "pass_at_k": {str(j): sum(pass_at_k(k, int(c), j) for c in correct) / n for j in ks},
+        "solved_by_turn": [float((solved_at <= t).sum()) / (n * k) for t in range(1, cfg.task.horizon + 1)],
         "extraction_rate": float(extracted.float().mean()),
         "mean_reward": float(reward.mean()),
         "mean_steps": float(steps.mean()),
@@ -112,7 +128,13 @@ def format_table(result: dict, title: str = "evaluation"):
     table.add_column("value", justify="right")
     lo, hi = result["ci95"]
     table.add_row("problems x samples", f"{result['problems']} x {result['samples']}")
-    table.add_row("team accuracy", f"{100 * result['accuracy']:.1f}%  (95% CI {100 * lo:.1f}-{100 * hi:.1f})")
+    table.add_row("team accuracy (pass@1)", f"{100 * result['accuracy']:.1f}%  (95% CI {100 * lo:.1f}-{100 * hi:.1f})")
+    for j, v in result.get("pass_at_k", {}).items():
+        if j != "1" or result["samples"] > 1:
+            table.add_row(f"pass@{j}", f"{100 * v:.1f}%")
+    by_turn = result.get("solved_by_turn", [])
+    if len(by_turn) > 1:
+        table.add_row("solved by turn 1, 2, ...", ", ".join(f"{100 * v:.1f}%" for v in by_turn))
     table.add_row("answer extracted", f"{100 * result['extraction_rate']:.1f}%")
     table.add_row("mean reward", f"{result['mean_reward']:.3f}")
     for agent, a in result["agents"].items():

@@ -11,6 +11,7 @@ loading adapter weights with :meth:`marft.models.TeamModel.load_adapter_state`.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -61,6 +62,17 @@ class Rollout:
         return int(sum(t.response_mask.sum() for t in self.turns))
 
 
+def _step_all(envs: list[TeamEnv], texts: list[str]) -> None:
+    """``env.step(text)`` for each pair; in threads when the environment allows it (code tasks
+    spend the step waiting for their sandboxed programs)."""
+    if len(envs) > 1 and getattr(envs[0], "concurrent_steps", False):
+        with ThreadPoolExecutor(min(len(envs), 16)) as pool:
+            list(pool.map(lambda pair: pair[0].step(pair[1]), zip(envs, texts)))
+    else:
+        for env, text in zip(envs, texts):
+            env.step(text)
+
+
 def rollout(team: Team, models: TeamModel, make_env: Callable[[], TeamEnv], resets: list[tuple[int, dict]],
             sampling: Sampling, horizon: int, generator: torch.Generator | None = None,
             on_turn: Callable[[Turn], None] | None = None) -> Rollout:
@@ -101,7 +113,7 @@ def rollout(team: Team, models: TeamModel, make_env: Callable[[], TeamEnv], rese
             gen_seconds += time.perf_counter() - g0
             for e, text in zip(active, out.texts):
                 replies[e][agent.name] = text
-                envs[e].step(text)
+            _step_all([envs[e] for e in active], out.texts)
             turn = Turn(t, agent.name, torch.tensor(active), out.prompt_ids.cpu(), out.prompt_mask.cpu(),
                         out.response_ids.cpu(), out.response_mask.cpu(), out.logprobs.cpu(),
                         out.truncated.cpu(), out.texts, states)

