@@ -3,7 +3,7 @@
 Every program runs in a fresh temporary directory, in its own process group, started by a small
 launcher (:mod:`marft._sandbox_boot`) that isolates itself before the program starts. What it
 protects against, where the kernel allows (``Sandbox().protections()`` lists what is active on
-this machine, and ``marft env-check`` prints it for code tasks):
+this machine; code tasks print a warning naming any layer that is missing):
 
 - **Runaway time**: a wall-clock limit (the launcher kills the program) and a CPU-time limit
   (RLIMIT_CPU).
@@ -38,6 +38,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -82,7 +83,8 @@ class Sandbox:
     ``run({"main.py": source}, ["main.py"])`` writes the files into a fresh directory and runs
     ``python -I -S main.py`` there (the standard library only; ``site_packages=True`` adds the
     interpreter's installed packages, at about 35 ms more per program); ``run_many`` runs a list of such jobs in parallel threads (each
-    program is its own process) and returns the results in order.
+    program is its own process) and returns the results in order. At most ``workers`` programs
+    run at once across all threads that share this sandbox.
     """
 
     def __init__(self, limits: Limits | None = None, workers: int = 4, python: str | None = None,
@@ -91,10 +93,14 @@ class Sandbox:
         self.tmp_root = tmp_root  # where the working folders go (default: the system's temporary folder)
         self.site_packages = site_packages
         self.workers = max(1, int(workers))
+        self._slots = threading.BoundedSemaphore(self.workers)  # programs at once, across all callers
         self.python = python or sys.executable
 
     def run(self, files: dict[str, str], args: list[str], limits: Limits | None = None) -> Result:
-        lim = limits or self.limits
+        with self._slots:
+            return self._run(files, args, limits or self.limits)
+
+    def _run(self, files: dict[str, str], args: list[str], lim: Limits) -> Result:
         workdir = tempfile.mkdtemp(prefix="marft-sandbox-", dir=self.tmp_root)
         spec = {"workdir": workdir, "files": files, "args": list(args), "python": self.python, "limits": asdict(lim),
                 "site_packages": self.site_packages}
@@ -125,6 +131,15 @@ class Sandbox:
     def protections(self) -> list[str]:
         """The protections active on this machine (probed once per interpreter)."""
         return list(_probe(self.python))
+
+
+def missing_protections(protections: list[str]) -> list[str]:
+    """The layers this module relies on that are absent from ``protections``, in words."""
+    wanted = {"pid namespace": "process isolation (PID namespace)", "network namespace": "network isolation",
+              "landlock: writes": "write protection outside the working folder (Landlock)",
+              "processes": "a process limit"}
+    text = " ".join(protections)
+    return [words for key, words in wanted.items() if key not in text]
 
 
 @lru_cache(maxsize=None)

@@ -134,3 +134,34 @@ def test_many_programs_in_parallel_keep_their_order(clean_machine):
     jobs = [({"p.py": f"print({i} * {i})"}, ["p.py"]) for i in range(12)]
     results = SB.run_many(jobs)
     assert [r.stdout for r in results] == [f"{i * i}\n" for i in range(12)]
+
+
+def test_missing_protections_are_named():
+    from marft.sandbox import missing_protections
+
+    full = ["pids cgroup: at most 16 processes", "network namespace", "pid namespace",
+            "landlock: writes only in the working directory"]
+    assert missing_protections(full) == []
+    assert missing_protections(full[:2]) == ["process isolation (PID namespace)",
+                                             "write protection outside the working folder (Landlock)"]
+
+
+def test_workers_bound_programs_at_once_across_threads(monkeypatch):
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    sb = Sandbox(workers=2)
+    running, peak, lock = [0], [0], threading.Lock()
+
+    def fake_run(files, args, lim):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+
+    monkeypatch.setattr(sb, "_run", fake_run)
+    with ThreadPoolExecutor(8) as pool:  # like the rollout stepping 8 episodes at once
+        list(pool.map(lambda i: sb.run({}, []), range(16)))
+    assert peak[0] == 2

@@ -31,11 +31,12 @@ import os
 import random
 import re
 import secrets
+import sys
 from dataclasses import dataclass
 
 from marft.envs.base import Grade, Problem, TurnBasedEnv
 from marft.errors import UserError
-from marft.sandbox import Limits, Sandbox
+from marft.sandbox import Limits, Sandbox, missing_protections
 
 HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_code_harness.py")
 MBPP_SPLITS = {"test": range(11, 511), "validation": range(511, 601), "train": range(601, 975), "prompt": range(1, 11)}
@@ -276,6 +277,10 @@ class CodeEnv(TurnBasedEnv):
         if key not in _SANDBOXES:
             _SANDBOXES[key] = Sandbox(Limits(wall_s=float(timeout_s), cpu_s=max(1, math.ceil(timeout_s)),
                                              memory_mb=int(memory_mb)), workers=key[2])
+            missing = missing_protections(_SANDBOXES[key].protections())
+            if missing:
+                print(f"marft: warning: the code sandbox runs without {', '.join(missing)} on this machine "
+                      "(see marft/sandbox.py)", file=sys.stderr)
         self.sandbox = _SANDBOXES[key]
 
     def num_problems(self, split: str) -> int | None:
