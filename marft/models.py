@@ -169,10 +169,6 @@ class TeamModel:
     def __init__(self, team: Team, model_cfg):
         from peft import LoraConfig, get_peft_model
 
-        # Subnormal floats (which long replies and padded KV caches produce) make CPU matrix
-        # products up to 100x slower; flushing them to zero changes nothing measurable in the
-        # outputs (benchmarks/generation.py: 4.3 s -> 0.12 s per decode step at batch 16).
-        torch.set_flush_denormal(True)
         self.team = team
         lo = model_cfg.lora
         self.lora_config = LoraConfig(
