@@ -135,7 +135,7 @@ def cmd_eval(args) -> int:
     from .evaluate import evaluate, format_table, write_json
 
     cfg = load_config(args.config, args.overrides)
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)  # log lines are not wrapped at 80 columns when piped
     console.print(f"[bold]marft eval[/] {args.config}: team {' -> '.join(a.name for a in cfg.team.agents)}, "
                   f"model {cfg.model.name}, task {cfg.task.kind}:{cfg.task.name if cfg.task.kind == 'reasoning_gym' else cfg.task.test_path or cfg.task.env}")
     out = Path(cfg.eval.output or Path(cfg.output_dir) / "eval.json")

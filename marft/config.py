@@ -112,6 +112,9 @@ class RolloutConfig:
     """Longest reply; a reply cut here is flagged truncated."""
     stop: list[str] = field(default_factory=list)
     """Extra strings that end a reply (the end-of-turn token always does)."""
+    env_timeout_s: float = 300.0
+    """Longest an environment's ``reset`` or ``step`` (its grading) may take; past it the episode
+    fails (left out of training, counted in ``episodes/failed``) instead of the run."""
 
 
 @dataclass
@@ -346,6 +349,7 @@ def validate(cfg: RunConfig) -> None:
     _check(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
     _check(r.top_k >= 0, f"rollout.top_k must be 0 (off) or positive, got {r.top_k}")
     _check(r.max_new_tokens >= 1, f"rollout.max_new_tokens must be at least 1, got {r.max_new_tokens}")
+    _check(r.env_timeout_s > 0, f"rollout.env_timeout_s must be positive (seconds), got {r.env_timeout_s}")
     e = cfg.eval
     _check(e.problems >= 1, f"eval.problems must be at least 1, got {e.problems}")
     _check(e.samples >= 1, f"eval.samples must be at least 1, got {e.samples}")

@@ -65,6 +65,8 @@ def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progr
     extracted = torch.zeros(n * k, dtype=torch.bool)
     reward = torch.zeros(n * k)
     steps = torch.zeros(n * k)
+    failed = torch.zeros(n * k, dtype=torch.bool)
+    errors: list[str] = []
     lengths: dict[str, list[float]] = {a: [] for a in team.names}
     truncated: dict[str, list[float]] = {a: [] for a in team.names}
     tokens, gen_seconds, start = 0, 0.0, time.perf_counter()
@@ -78,7 +80,9 @@ def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progr
             if progress:
                 progress(done_eps, n * k, tokens)
 
-        out = rollout(team, models, make_env, chunk, sampling, cfg.task.horizon, generator, on_turn)
+        out = rollout(team, models, make_env, chunk, sampling, cfg.task.horizon, generator, on_turn, ro.env_timeout_s)
+        failed[lo:lo + len(chunk)] = out.failed
+        errors += [i["error"] for i, f in zip(out.infos, out.failed.tolist()) if f]
         hi = lo + len(chunk)
         success[lo:hi], extracted[lo:hi] = out.success, out.extracted
         reward[lo:hi] = out.rewards.sum(1)
@@ -103,6 +107,8 @@ def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progr
         "pass_at_k": {str(j): sum(pass_at_k(k, int(c), j) for c in correct) / n for j in ks},
         "solved_by_turn": [float((solved_at <= t).sum()) / (n * k) for t in range(1, cfg.task.horizon + 1)],
         "extraction_rate": float(extracted.float().mean()),
+        "failed_episodes": int(failed.sum()),  # the environment raised or timed out; counted as unsolved
+        "first_errors": errors[:5],
         "mean_reward": float(reward.mean()),
         "mean_steps": float(steps.mean()),
         "agents": {a: {"mean_tokens": _mean(lengths[a]), "truncated": _mean(truncated[a])} for a in team.names},
@@ -136,6 +142,9 @@ def format_table(result: dict, title: str = "evaluation"):
     if len(by_turn) > 1:
         table.add_row("solved by turn 1, 2, ...", ", ".join(f"{100 * v:.1f}%" for v in by_turn))
     table.add_row("answer extracted", f"{100 * result['extraction_rate']:.1f}%")
+    if result.get("failed_episodes"):
+        table.add_row("episodes failed in the environment", f"{result['failed_episodes']} (counted unsolved; first: "
+                      f"{result['first_errors'][0][:80]})")
     table.add_row("mean reward", f"{result['mean_reward']:.3f}")
     for agent, a in result["agents"].items():
         table.add_row(f"{agent}: mean reply tokens", f"{a['mean_tokens']:.1f}  ({100 * a['truncated']:.0f}% cut)")

@@ -7,11 +7,20 @@ Each (t, i) is one micro-step k of MARFT and becomes one :class:`Turn`.
 
 Rollout only reads the team's current weights; a distributed worker wraps :func:`rollout` after
 loading adapter weights with :meth:`marft.models.TeamModel.load_adapter_state`.
+
+Environment faults fail one episode, not the run: an exception from ``reset``, ``observe``,
+``state`` or ``step``, or a ``reset``/``step`` that takes longer than ``env_timeout_s``, ends that
+episode with ``failed[e] = True`` and the error text in ``infos[e]["error"]``; the trainer leaves
+failed episodes out of the update and counts them. A timed-out call is abandoned and an exception
+is raised inside it (Python code stops at its next bytecode; a call blocked inside C code, such as
+a socket read, stops when that returns). To make this possible every such call runs in a worker
+thread: one at a time, or all episodes at once for environments with ``concurrent_steps``.
 """
 from __future__ import annotations
 
+import ctypes
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -56,70 +65,160 @@ class Rollout:
     seconds: float = 0.0  # wall time of the rollout
     gen_seconds: float = 0.0  # of which in generation
     infos: list[dict] = field(default_factory=list)  # the last info of each episode
+    failed: torch.Tensor | None = None  # [E] bool: the environment raised or timed out (see the module docstring)
+
+    def __post_init__(self):
+        if self.failed is None:
+            self.failed = torch.zeros(len(self.steps), dtype=torch.bool)
+
+    def select(self, keep: torch.Tensor) -> "Rollout":
+        """The rollout restricted to the episodes where ``keep`` [E] is True, renumbered in order."""
+        new_index = torch.full((len(keep),), -1, dtype=torch.long)
+        new_index[keep] = torch.arange(int(keep.sum()))
+        turns = []
+        for t in self.turns:
+            rows = keep[t.episodes].nonzero().flatten()
+            if len(rows) == 0:
+                continue
+            r = rows.tolist()
+            turns.append(Turn(t.step, t.agent, new_index[t.episodes[rows]], t.prompt_ids[rows], t.prompt_mask[rows],
+                              t.response_ids[rows], t.response_mask[rows], t.logprobs[rows], t.truncated[rows],
+                              [t.texts[i] for i in r], [t.states[i] for i in r]))
+        idx = keep.nonzero().flatten().tolist()
+        return Rollout(turns, self.rewards[keep], self.agent_rewards[keep], self.dones[keep], self.steps[keep],
+                       self.success[keep], self.extracted[keep], self.seconds, self.gen_seconds,
+                       [self.infos[i] for i in idx], self.failed[keep])
 
     @property
     def generated_tokens(self) -> int:
         return int(sum(t.response_mask.sum() for t in self.turns))
 
 
-def _step_all(envs: list[TeamEnv], texts: list[str]) -> None:
-    """``env.step(text)`` for each pair; in threads when the environment allows it (code tasks
-    spend the step waiting for their sandboxed programs)."""
-    if len(envs) > 1 and getattr(envs[0], "concurrent_steps", False):
-        with ThreadPoolExecutor(min(len(envs), 16)) as pool:
-            list(pool.map(lambda pair: pair[0].step(pair[1]), zip(envs, texts)))
-    else:
-        for env, text in zip(envs, texts):
-            env.step(text)
+class EpisodeTimeout(BaseException):
+    """Raised inside an environment call that ran past ``env_timeout_s`` (a BaseException, so that
+    an environment's own ``except Exception`` does not swallow it)."""
+
+
+def _raise_in(thread_id: int) -> None:
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(EpisodeTimeout))
+
+
+def _describe(e: BaseException, timeout: float) -> str:
+    if isinstance(e, EpisodeTimeout):
+        return f"timed out after {timeout:g} s (rollout.env_timeout_s)"
+    return f"{type(e).__name__}: {e}"[:300]
+
+
+def _call_threads(fns: list, timeout: float) -> list[str | None]:
+    """Each ``fn()`` in its own daemon thread, all at once; waits at most ``timeout`` for each."""
+    errors: list[str | None] = ["did not finish"] * len(fns)
+
+    def work(i, fn):
+        try:
+            fn()
+            errors[i] = None
+        except BaseException as e:  # noqa: BLE001 (EpisodeTimeout included)
+            errors[i] = _describe(e, timeout)
+
+    threads = [threading.Thread(target=work, args=(i, fn), daemon=True) for i, fn in enumerate(fns)]
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.start()
+    result: list[str | None] = []
+    for i, t in enumerate(threads):
+        t.join(max(0.0, deadline - time.monotonic()))
+        if t.is_alive():
+            _raise_in(t.ident)  # abandoned: stop it where Python code allows
+            result.append(_describe(EpisodeTimeout(), timeout))
+        else:
+            result.append(errors[i])
+    return result
+
+
+def _guarded(fns: list, concurrent: bool, timeout: float) -> list[str | None]:
+    """Run environment calls, each failure confined to its own episode (see the module docstring)."""
+    if concurrent:
+        return _call_threads(fns, timeout)
+    return [_call_threads([fn], timeout)[0] for fn in fns]
 
 
 def rollout(team: Team, models: TeamModel, make_env: Callable[[], TeamEnv], resets: list[tuple[int, dict]],
             sampling: Sampling, horizon: int, generator: torch.Generator | None = None,
-            on_turn: Callable[[Turn], None] | None = None) -> Rollout:
+            on_turn: Callable[[Turn], None] | None = None, env_timeout_s: float = 300.0) -> Rollout:
     """Play one episode per ``(seed, options)`` in ``resets``, all concurrently.
 
     ``horizon`` bounds the steps (the environment normally ends its episodes itself). ``on_turn`` is
-    called after every batched agent turn (progress display)."""
+    called after every batched agent turn (progress display). ``env_timeout_s`` bounds each
+    ``reset`` and ``step`` of an episode's environment."""
     start = time.perf_counter()
     envs = [make_env() for _ in resets]
-    for env, (seed, options) in zip(envs, resets):
-        env.reset(seed=seed, options=options)
     E, H, N = len(envs), horizon, len(team.agents)
+    concurrent = bool(envs) and getattr(envs[0], "concurrent_steps", False)
+    failed = torch.zeros(E, dtype=torch.bool)
+    infos: list[dict] = [{} for _ in range(E)]
+
+    def fail(e: int, error: str | None) -> bool:
+        if error is not None and not failed[e]:
+            failed[e] = True
+            infos[e] = {"success": False, "extracted": False, "error": error}
+        return bool(failed[e])
+
+    for e, err in enumerate(_guarded([lambda env=env, r=r: env.reset(seed=r[0], options=r[1])
+                                      for env, r in zip(envs, resets)], concurrent, env_timeout_s)):
+        fail(e, err)
     rewards = torch.zeros(E, H)
     agent_rewards = torch.zeros(E, H, N)
     dones = torch.zeros(E, H, dtype=torch.bool)
     steps = torch.zeros(E, dtype=torch.long)
     success = torch.zeros(E, dtype=torch.bool)
     extracted = torch.zeros(E, dtype=torch.bool)
-    infos: list[dict] = [{} for _ in range(E)]
     turns: list[Turn] = []
     gen_seconds = 0.0
+    def prompt(e: int, agent) -> tuple[str, list[dict]] | None:
+        """The global state and the agent's chat for episode e, or None when its environment fails."""
+        env, out = envs[e], []
+
+        def read():
+            if env.agent_selection != agent.name:
+                raise RuntimeError(
+                    f"environment expected agent {env.agent_selection!r} but the team's turn is {agent.name!r}; "
+                    "environments must follow the agent order they were built with (check with marft env-check)")
+            out.append((env.state(), agent_messages(agent, env.observe(agent.name), replies[e])))
+
+        try:
+            read()
+        except Exception as err:  # noqa: BLE001
+            fail(e, _describe(err, env_timeout_s))
+            return None
+        return out[0]
+
     for t in range(H):
-        active = [e for e in range(E) if envs[e].agents]
+        active = [e for e in range(E) if not failed[e] and envs[e].agents]
         if not active:
             break
         replies: list[dict[str, str]] = [{} for _ in range(E)]
         for agent in team.agents:
-            for e in active:
-                if envs[e].agent_selection != agent.name:
-                    raise RuntimeError(
-                        f"environment expected agent {envs[e].agent_selection!r} but the team's turn is {agent.name!r}; "
-                        "environments must follow the agent order they were built with (check with marft env-check)")
-            states = [envs[e].state() for e in active]
-            chats = [agent_messages(agent, envs[e].observe(agent.name), replies[e]) for e in active]
+            read = {e: prompt(e, agent) for e in active}
+            active = [e for e in active if read[e] is not None]
+            if not active:
+                break
+            states = [read[e][0] for e in active]
+            chats = [read[e][1] for e in active]
             g0 = time.perf_counter()
             with models.acting(agent.name) as (model, tok):
                 out = generate(model, tok, chats, sampling, stop_token_ids(model, tok), generator)
             gen_seconds += time.perf_counter() - g0
             for e, text in zip(active, out.texts):
                 replies[e][agent.name] = text
-            _step_all([envs[e] for e in active], out.texts)
+            errors = _guarded([lambda env=envs[e], x=text: env.step(x) for e, text in zip(active, out.texts)],
+                              concurrent, env_timeout_s)
             turn = Turn(t, agent.name, torch.tensor(active), out.prompt_ids.cpu(), out.prompt_mask.cpu(),
                         out.response_ids.cpu(), out.response_mask.cpu(), out.logprobs.cpu(),
                         out.truncated.cpu(), out.texts, states)
             turns.append(turn)
             if on_turn:
                 on_turn(turn)
+            active = [e for e, err in zip(active, errors) if not fail(e, err)]
         for e in active:
             env = envs[e]
             r = [float(env.rewards.get(a, 0.0)) for a in team.names]
@@ -133,7 +232,10 @@ def rollout(team: Team, models: TeamModel, make_env: Callable[[], TeamEnv], rese
             dones[e, t] = not env.agents
     # an episode still running at the horizon ends there
     for e in range(E):
+        if failed[e]:
+            steps[e] = max(int(steps[e]), 1)  # what a failed episode held is not trained on (Rollout.select)
+            rewards[e], agent_rewards[e], success[e], extracted[e] = 0.0, 0.0, False, False
         if steps[e] > 0:
             dones[e, steps[e] - 1] = True
     return Rollout(turns, rewards, agent_rewards, dones, steps, success, extracted,
-                   time.perf_counter() - start, gen_seconds, infos)
+                   time.perf_counter() - start, gen_seconds, infos, failed)

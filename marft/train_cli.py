@@ -24,7 +24,7 @@ def cmd_train(args) -> int:
     from .evaluate import evaluate, write_json
     from .trainer import Trainer, append_metrics, latest_checkpoint, truncate_metrics
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)  # log lines are not wrapped at 80 columns when piped
     if args.resume:
         run_dir = Path(args.resume)
         if not run_dir.is_dir():
@@ -74,7 +74,7 @@ def cmd_train(args) -> int:
                       f"{' (shared adapter)' if cfg.team.share_adapter else ''}, {cfg.train.iterations} iterations "
                       f"x {cfg.rollout.episodes} episodes, run folder {run_dir}")
         run_eval("untrained")
-    writer = _tensorboard(run_dir)
+    writer = _tensorboard(run_dir, trainer.iteration + 1 if args.resume else None)
     stop = {"now": False}
 
     def on_sigint(signum, frame):
@@ -141,12 +141,14 @@ def _line(m: dict, total: int, left_s: float) -> str:
             f"{m['seconds']:.0f} s/it  left {left_s / 60:.1f} min")
 
 
-def _tensorboard(run_dir: Path):
+def _tensorboard(run_dir: Path, purge_step: int | None):
+    """The TensorBoard writer; on resume, events from iterations after the checkpoint (written by
+    the run that was stopped) are purged, as they are from metrics.jsonl."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         return None
-    return SummaryWriter(str(run_dir / "tensorboard"))
+    return SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge_step)
 
 
 def _print_comparison(run_dir: Path, final: dict) -> None:

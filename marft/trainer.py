@@ -14,7 +14,8 @@ the rollout or recomputed) or a non-finite loss is skipped, and so is an update 
 gradient (or with nothing left to learn from), each with a warning; ``train.max_bad_updates``
 skipped updates in a row stop the run with a :class:`UserError`, its last checkpoint untouched.
 The metrics count skipped updates and degenerate batches (every episode rewarded the same, empty
-or truncated replies).
+or truncated replies). Episodes whose environment raised or timed out are left out of the update
+and counted (``episodes/failed``); a batch in which every episode failed stops the run.
 
 Checkpoints (adapters in PEFT format, critic, optimisers, iteration, config) are written atomically
 to ``<output_dir>/checkpoints/iter_NNNNNN`` and ``latest`` names the newest complete one. Every
@@ -84,7 +85,7 @@ class Trainer:
         self.skipped = dict.fromkeys(self.skipped, 0)
         t0 = time.perf_counter()
         # 1. rollout
-        out = self._rollout(it)
+        out, failed = self._without_failed(self._rollout(it))
         times["rollout_s"] = time.perf_counter() - t0
         times["generation_s"] = out.gen_seconds  # the rest of rollout_s is prompts and scoring
         # 2-4. rewards, values, advantages
@@ -112,6 +113,7 @@ class Trainer:
             "tokens_per_s": tokens / total,
             "seconds": total,
             "trained": trained,
+            "episodes/failed": failed,
             **times, **critic_stats, **policy_stats,
             **{f"skipped/{k}": v for k, v in self.skipped.items()},
             "skipped/updates_in_a_row": self.bad_in_a_row,
@@ -123,6 +125,23 @@ class Trainer:
             metrics[f"{agent}/reply_tokens"] = float(lens.mean())
             metrics[f"{agent}/truncated"] = float(torch.cat([t.truncated.float() for t in rows]).mean())
         return metrics
+
+    def _without_failed(self, out: Rollout) -> tuple[Rollout, int]:
+        """Leave out the episodes whose environment raised or timed out (for grpo, their whole
+        group), with a warning; if nothing is left the environment is broken: stop."""
+        failed = int(out.failed.sum())
+        if not failed:
+            return out, 0
+        errors = [i.get("error", "") for i, f in zip(out.infos, out.failed.tolist()) if f]
+        keep = ~out.failed
+        if self.algorithm == "grpo":
+            keep = keep.view(-1, self.cfg.train.group_size).all(1, keepdim=True).expand(-1, self.cfg.train.group_size).flatten()
+        if not keep.any():
+            raise UserError(f"every episode of iteration {self.iteration + 1} failed in the environment (first: {errors[0]}); "
+                            "fix the environment or its reward (check it with marft env-check), then marft train --resume")
+        self.log(f"warning: {failed} of {len(keep)} episodes failed in the environment at iteration {self.iteration + 1} "
+                 f"and are left out of the update (first: {errors[0]})")
+        return out.select(keep), failed
 
     def _degenerate_stats(self, out: Rollout) -> dict:
         """How much of the batch carries no learning signal: ``degenerate/same_reward`` is the share
@@ -150,7 +169,8 @@ class Trainer:
         r = cfg.rollout
         sampling = Sampling(r.temperature, r.top_p, r.top_k, r.max_new_tokens, tuple(r.stop))
         generator = torch.Generator().manual_seed(_seed(cfg, it, 1))
-        return rollout(self.team, self.models, self.make_env, resets, sampling, cfg.task.horizon, generator)
+        return rollout(self.team, self.models, self.make_env, resets, sampling, cfg.task.horizon, generator,
+                       env_timeout_s=r.env_timeout_s)
 
     def _trained_agents(self, it: int) -> list[str]:
         tr = self.cfg.train
@@ -426,8 +446,9 @@ class Trainer:
         root.mkdir(parents=True, exist_ok=True)
         name = f"iter_{self.iteration:06d}"
         final = root / name
+        for stale in root.glob(".iter_*.tmp-*"):  # left by a run killed while saving
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = root / f".{name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         self.models.save_adapters(tmp / "adapters")
         torch.save({
@@ -443,8 +464,10 @@ class Trainer:
         }, tmp / "trainer.pt")
         save_config(self.cfg, tmp / "config.yaml")
         _fsync_tree(tmp)
-        if final.exists():
-            shutil.rmtree(final)
+        if final.exists():  # written before by a run killed before it named it latest: set it aside first
+            old = root / f".{name}.tmp-old-{os.getpid()}"
+            os.replace(final, old)
+            shutil.rmtree(old)
         os.replace(tmp, final)
         _write_atomic(root / "latest", name)
         return final

@@ -41,6 +41,9 @@ def f(tiny_model_dir, tmp_path_factory):
     (d / "empty.jsonl").write_text("")
     (d / "badline.jsonl").write_text('{"problem": "1+1?", "answer": "2"}\n{"problem": "2+2?", "answer": \n')
     (d / "noanswer.jsonl").write_text('{"problem": "1+1?", "answer": "2"}\n{"problem": "2+2?"}\n')
+    (d / "mbpp_badline.jsonl").write_text('{"task_id": 11, "text": "x", "test_list": ["assert f() is None"]}\n'
+                                          '{"task_id": 12, "text": \n')
+    (d / "mbpp_notrecord.jsonl").write_text('{"task_id": 11, "text": "x"}\n')
     nochat = shutil.copytree(tiny_model_dir, d / "nochat")
     (nochat / "chat_template.jinja").unlink(missing_ok=True)
     t5 = shutil.copytree(tiny_model_dir, d / "t5")
@@ -72,6 +75,10 @@ def check_error(captured, rc_expected) -> str:
 
 def math(path):
     return ["task.kind=math", "task.options={}", f"task.test_path={path}"]
+
+
+def code(path):
+    return ["task.kind=code", "task.name=mbpp", "task.options={}", f"task.test_path={path}"]
 
 
 # (row id, args built from the fixture, text the message must hold)
@@ -116,6 +123,14 @@ ROWS = [
     ("data-empty", lambda f: ["eval", CONFIG, *f.tiny, *math(f.d / "empty.jsonl")], "is empty"),
     ("data-bad-line", lambda f: ["eval", CONFIG, *f.tiny, *math(f.d / "badline.jsonl")], "line 2 is not valid JSON"),
     ("data-no-answer", lambda f: ["eval", CONFIG, *f.tiny, *math(f.d / "noanswer.jsonl")], "line 2 has no 'final_answer' or 'answer'"),
+    ("mbpp-missing", lambda f: ["eval", CONFIG, *f.tiny, *code(f.d / "none.jsonl")], "MBPP file"),
+    ("mbpp-bad-line", lambda f: ["eval", CONFIG, *f.tiny, *code(f.d / "mbpp_badline.jsonl")], "line 2 is not valid JSON"),
+    ("mbpp-not-a-record", lambda f: ["eval", CONFIG, *f.tiny, *code(f.d / "mbpp_notrecord.jsonl")],
+     "line 1 is not an MBPP record (needs task_id, text and test_list)"),
+    ("code-bad-reward", lambda f: ["eval", CONFIG, *f.tiny, *code(f.d / "mbpp_notrecord.jsonl"), "task.options={reward: best}"],
+     "task option reward='best': expected 'all'"),
+    ("code-unknown-task", lambda f: ["eval", CONFIG, *f.tiny, *code(f.d / "none.jsonl"), "task.name=apps"],
+     "unknown code task 'apps'"),
     ("gym-unknown-dataset", lambda f: ["eval", CONFIG, *f.tiny, "task.name=basic_arithmetik"],
      "unknown reasoning_gym dataset 'basic_arithmetik'"),
     ("gym-bad-option", lambda f: ["eval", CONFIG, *f.tiny, "task.options={bogus: 1}"], "bad options {'bogus': 1}"),
