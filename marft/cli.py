@@ -1,4 +1,4 @@
-"""The command line: ``marft train``, ``marft eval``, ``marft env-check``.
+"""The command line: ``marft train``, ``marft eval``, ``marft sweep``, ``marft report``, ``marft env-check``.
 
 User errors (a bad config, a missing file) print one line and exit with status 2; ``--debug``
 shows the traceback instead.
@@ -38,6 +38,17 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     tr.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
+    sw = sub.add_parser("sweep", help="run a grid of training runs (resumable), see marft/sweep.py")
+    sw.add_argument("sweep", help="sweep YAML file (see configs/sweep_paper_small.yaml)")
+    sw.add_argument("--dry-run", action="store_true", help="list the runs and their state; run nothing")
+    sw.add_argument("--parallel", type=int, metavar="N", help="runs at once (overrides the file's parallel:)")
+    sw.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+    rp = sub.add_parser("report", help="tables, curves and per-agent views from run folders")
+    rp.add_argument("runs", nargs="+", help="run folders, folders holding runs, or sweep output folders")
+    rp.add_argument("--out", help="where report.md, report.json and the plots go (default: <first folder>/report)")
+    rp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
     ck = sub.add_parser("env-check", help="check that an environment class follows marft's environment API")
     ck.add_argument("env", help="module:Class or path/to/file.py:Class")
     ck.add_argument("options", nargs="*", help="key=value constructor options of the environment")
@@ -53,6 +64,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     unknown = [x for x in extra if x.startswith("-") or "=" not in x]
     if unknown:
         raise UserError(f"unrecognized arguments: {' '.join(unknown)}; see marft {args.command} --help")
+    if extra and args.command in ("sweep", "report"):
+        raise UserError(f"unrecognized arguments: {' '.join(extra)}; see marft {args.command} --help")
     if extra:
         if args.command == "env-check":
             args.options = [*args.options, *extra]
@@ -75,6 +88,14 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(args)
         if args.command == "env-check":
             return cmd_env_check(args)
+        if args.command == "sweep":
+            from .sweep import cmd_sweep
+
+            return cmd_sweep(args)
+        if args.command == "report":
+            from .report import cmd_report
+
+            return cmd_report(args)
     except UserError as e:
         if debug:
             raise
@@ -101,7 +122,6 @@ def prepare(cfg):
     """Seed, threads, team, models and environment factory for a run."""
     import torch
 
-    from .envs import make_env_factory
     from .models import TeamModel
     from .team import build_team
 
@@ -111,11 +131,18 @@ def prepare(cfg):
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     team = build_team(cfg.team)
-    t = cfg.task
-    make_env = make_env_factory(t.kind, team.names, team.answering, t.horizon, t.name, dict(t.options),
-                                t.train_path, t.test_path, t.env)
+    make_env = env_factory(cfg, team)
     models = TeamModel(team, cfg.model)
     return team, models, make_env
+
+
+def env_factory(cfg, team):
+    """The environment factory of ``cfg.task`` for ``team`` (the whole team or a part of it)."""
+    from .envs import make_env_factory
+
+    t = cfg.task
+    return make_env_factory(t.kind, team.names, team.answering, t.horizon, t.name, dict(t.options),
+                            t.train_path, t.test_path, t.env)
 
 
 def make_dir(path: Path, key: str) -> Path:
@@ -143,6 +170,9 @@ def cmd_eval(args) -> int:
     team, models, make_env = prepare(cfg)
     if args.adapters:
         models.load_adapters(args.adapters)
+    if cfg.eval.without:
+        team = team.without(cfg.eval.without)
+        make_env = env_factory(cfg, team)
     probe = make_env()
     num = probe.num_problems("test") if hasattr(probe, "num_problems") else None  # optional for a raw TeamEnv
     with Progress(TextColumn("evaluating"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[speed]}"),
@@ -159,9 +189,11 @@ def cmd_eval(args) -> int:
         result = evaluate(cfg, team, models, make_env, num, progress)
     result["config"] = args.config
     result["adapters"] = args.adapters or None
+    result["without"] = list(cfg.eval.without)
     write_json(result, out)
     Console().print(format_table(result, title=f"{' -> '.join(team.names)} on {cfg.task.name if cfg.task.kind == 'reasoning_gym' else cfg.task.kind}"
-                                 + (" (trained adapters)" if args.adapters else " (untrained)")))
+                                 + (" (trained adapters)" if args.adapters else " (untrained)")
+                                 + (f", without {', '.join(cfg.eval.without)}" if cfg.eval.without else "")))
     console.print(f"results written to {out}")
     return 0
 

@@ -128,6 +128,14 @@ class EvalConfig:
     seed: int = 1234
     output: str = ""
     """Where the JSON result goes; empty: ``<run.output_dir>/eval.json``."""
+    without: list[str] = field(default_factory=list)
+    """Agents left out (they do not act; nobody sees their messages): what the others do alone."""
+    before: bool = True
+    """``marft train``: evaluate the untrained team first (``eval_untrained.json``). Sweeps turn
+    it off and run the untrained team once as ``train.iterations=0``."""
+    ablate: bool = False
+    """``marft train``: after the final evaluation, evaluate the trained team once more without
+    each agent whose message another agent reads (``eval_final_without_<agent>.json``)."""
 
 
 @dataclass

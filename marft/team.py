@@ -88,6 +88,19 @@ class Team:
         """Distinct adapter names, in first-use order."""
         return list(dict.fromkeys(a.adapter for a in self.agents))
 
+    def without(self, names) -> "Team":
+        """The team with the agents ``names`` left out: they do not act and nobody sees their
+        messages (the others keep their prompts and adapters). For ablations: what an agent adds."""
+        for n in names:
+            self[n]  # an unknown name is a UserError
+        left = tuple(dataclasses.replace(a, sees=tuple(m for m in a.sees if m not in names))
+                     for a in self.agents if a.name not in names)
+        if not left:
+            raise UserError(f"leaving out {', '.join(names)} leaves no agent in the team")
+        if not any(a.answers for a in left):
+            raise UserError(f"leaving out {', '.join(names)} leaves no answering agent; leave out another agent")
+        return Team(left)
+
     def __getitem__(self, name: str) -> Agent:
         for a in self.agents:
             if a.name == name:

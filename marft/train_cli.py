@@ -19,7 +19,7 @@ from .errors import UserError
 def cmd_train(args) -> int:
     from rich.console import Console
 
-    from .cli import make_dir, prepare
+    from .cli import env_factory, make_dir, prepare
     from .config import load_config, save_config
     from .evaluate import evaluate, write_json
     from .trainer import Trainer, append_metrics, latest_checkpoint, truncate_metrics
@@ -55,10 +55,12 @@ def cmd_train(args) -> int:
     probe = make_env()
     num = probe.num_problems("test") if hasattr(probe, "num_problems") else None
 
-    def run_eval(tag: str) -> dict:
+    def run_eval(tag: str, without: tuple = ()) -> dict:
         t0 = time.perf_counter()
-        res = evaluate(cfg, team, models, make_env, num)
+        part = team.without(without) if without else team
+        res = evaluate(cfg, part, models, env_factory(cfg, part) if without else make_env, num)
         res["iteration"] = trainer.iteration
+        res["without"] = list(without)
         write_json(res, run_dir / f"eval_{tag}.json")
         lo, hi = res["ci95"]
         console.print(f"eval {tag}: accuracy {100 * res['accuracy']:.1f}% (95% CI {100 * lo:.1f}-{100 * hi:.1f}), "
@@ -73,7 +75,8 @@ def cmd_train(args) -> int:
         console.print(f"[bold]marft train[/] {args.config}: {cfg.train.algorithm}, team {' -> '.join(team.names)}"
                       f"{' (shared adapter)' if cfg.team.share_adapter else ''}, {cfg.train.iterations} iterations "
                       f"x {cfg.rollout.episodes} episodes, run folder {run_dir}")
-        run_eval("untrained")
+        if cfg.eval.before or cfg.train.iterations == 0:
+            run_eval("untrained")
     writer = _tensorboard(run_dir, trainer.iteration + 1 if args.resume else None)
     stop = {"now": False}
 
@@ -109,7 +112,14 @@ def cmd_train(args) -> int:
     if stop["now"]:
         console.print(f"stopped at iteration {trainer.iteration}; continue with: marft train --resume {run_dir}")
         return 130
-    final = run_eval("final")
+    if trainer.iteration == 0 and (run_dir / "eval_untrained.json").is_file():  # train.iterations=0: a baseline run
+        final = json.loads((run_dir / "eval_untrained.json").read_text())
+        write_json(final, run_dir / "eval_final.json")
+    else:
+        final = run_eval("final")
+    if cfg.eval.ablate:
+        for agent in [a.name for a in team.agents if any(a.name in b.sees for b in team.agents)]:
+            run_eval(f"final_without_{agent}", (agent,))
     if writer:
         writer.add_scalar("eval/accuracy", final["accuracy"], trainer.iteration)
         writer.close()

@@ -69,3 +69,32 @@ def test_unknown_agent_lookup_is_a_user_error():
 
     with pytest.raises(UserError, match="unknown agent 'critic'; the team has a, b"):
         team_of("chain", names=("a", "b"))["critic"]
+
+
+def test_team_without_an_agent():
+    from marft.config import load_config
+    from marft.errors import UserError
+    from marft.team import build_team
+
+    team = build_team(load_config(None, ["team.preset=quartet"]).team)
+    part = team.without(["reflector"])
+    assert part.names == ["planner", "solver", "verifier"]
+    assert part["verifier"].sees == ("planner", "solver")  # the reflector's message is gone
+    assert part["solver"].adapter == "solver" and part["solver"].prompt == team["solver"].prompt
+    assert team.without(["planner"])["solver"].sees == ()
+    duo = build_team(load_config(None, ["team.preset=duo"]).team)
+    with pytest.raises(UserError, match="leaves no answering agent"):
+        duo.without(["solver"])
+    with pytest.raises(UserError, match="unknown agent 'critic'"):
+        duo.without(["critic"])
+
+
+def test_eval_without_the_planner(tiny_overrides, tmp_path):
+    import json
+
+    from marft.cli import main
+
+    out = tmp_path / "e.json"
+    assert main(["eval", "configs/duo_arithmetic.yaml", *tiny_overrides, "eval.without=[planner]", f"eval.output={out}"]) == 0
+    res = json.loads(out.read_text())
+    assert res["without"] == ["planner"] and list(res["agents"]) == ["solver"]

@@ -137,3 +137,17 @@ def test_resume_from_another_directory(vowel_overrides, tmp_path, monkeypatch):
     assert main(["train", "--resume", str(tmp_path / "a" / "rel_run"), "train.iterations=2"]) == 0
     assert latest_checkpoint(tmp_path / "a" / "rel_run").name == "iter_000002"
     assert not (tmp_path / "b" / "rel_run").exists()
+
+
+def test_ablation_and_baseline_runs(vowel_overrides, tmp_path):
+    run = tmp_path / "abl"
+    assert main(["train", "configs/duo_arithmetic.yaml", *vowel_overrides, "train.iterations=1", "eval.before=false",
+                 "eval.ablate=true", f"output_dir={run}"]) == 0
+    assert not (run / "eval_untrained.json").exists()
+    without = json.loads((run / "eval_final_without_planner.json").read_text())
+    assert without["without"] == ["planner"] and list(without["agents"]) == ["solver"]
+    assert not (run / "eval_final_without_solver.json").exists()  # nobody reads the solver's message
+    base = tmp_path / "base"
+    assert main(["train", "configs/duo_arithmetic.yaml", *vowel_overrides, "train.iterations=0", "eval.before=false",
+                 f"output_dir={base}"]) == 0
+    assert json.loads((base / "eval_final.json").read_text()) == json.loads((base / "eval_untrained.json").read_text())

@@ -1,0 +1,326 @@
+"""``marft report RUN_DIR...``: the table of held-out scores, training curves and per-agent views.
+
+Inputs: run folders of ``marft train`` (``config.yaml``, ``metrics.jsonl``, ``eval_untrained.json``,
+``eval_final.json``, ``eval_final_without_<agent>.json``), folders that hold such runs, and sweep
+folders (``sweep.json`` lists the planned runs, so a run that never started is reported too).
+
+Runs are grouped by their labels without the seed: a sweep's axis labels (``sweep_run.json``), or
+for other runs task, team, algorithm (``-ps`` with a shared adapter). Per group:
+
+- **final**: mean and sample standard deviation over seeds of the held-out accuracy, and a 95%
+  interval that pools every seed's problems, with the problems as the independent units (the
+  same estimator as ``marft eval`` with several samples: mean +- 1.96 standard errors of the
+  per-problem means over seeds; with one seed, that run's own interval from ``marft eval``);
+- **untrained**: the same for ``eval_untrained.json`` (the team before training, same problems),
+  or, for runs that skipped it (``eval.before=false``), the final score of the group labelled
+  ``algorithm: untrained`` (a ``train.iterations=0`` run) with the same other labels;
+- **runs**: complete / planned; a group with runs missing, failed or stopped early says so, and
+  those runs are listed under the table: nothing is silently dropped.
+
+Writes ``report.md`` and ``report.json`` and, per group without the algorithm axis, a PNG of the
+training curves (reward, training accuracy, then KL, entropy and value loss per agent), the
+seeds' mean per iteration.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import UserError
+
+CURVES = [("reward", "reward (train)"), ("accuracy", "team accuracy (train)"),
+          ("approx_kl", "approx. KL per agent"), ("entropy", "entropy per agent"), ("value_loss", "value loss")]
+
+
+@dataclass
+class RunInfo:
+    folder: Path
+    labels: dict[str, str]
+    seed: str
+    status: str  # complete | partial i/N | failed (...) | missing | not started
+    final: dict | None = None
+    untrained: dict | None = None
+    without: dict[str, dict] = field(default_factory=dict)
+    metrics: list[dict] = field(default_factory=list)
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _metrics(path: Path) -> list[dict]:
+    out = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    return out
+
+
+def _labels_from_config(folder: Path) -> tuple[dict[str, str], str, int]:
+    """Labels of a run outside a sweep, its seed and planned iterations, from its config.yaml."""
+    from .config import load_config
+
+    cfg = load_config(folder / "config.yaml", [f"output_dir={folder}"])
+    t = cfg.task
+    task = t.name if t.kind in ("reasoning_gym", "code") else (Path(t.test_path).stem if t.test_path else t.env or t.kind)
+    team = cfg.team.preset or "+".join(a.name for a in cfg.team.agents)
+    algo = cfg.train.algorithm + ("-ps" if cfg.team.share_adapter else "")
+    if cfg.train.iterations == 0:
+        algo = "untrained"
+    return {"task": task, "team": team, "algorithm": algo}, str(cfg.seed), cfg.train.iterations
+
+
+def _load_run(folder: Path, labels: dict | None, status: str | None) -> RunInfo:
+    planned_iters = None
+    seed = None
+    if labels is not None:
+        labels = dict(labels)
+        seed = labels.pop("seed", None)
+    if (folder / "config.yaml").is_file():
+        try:
+            derived, cfg_seed, planned_iters = _labels_from_config(folder)
+        except UserError:
+            derived, cfg_seed = {"run": folder.name}, "?"
+        labels = labels if labels is not None else derived
+        seed = seed if seed is not None else cfg_seed
+    elif labels is None:
+        labels = {"run": folder.name}
+    run = RunInfo(folder, labels, seed if seed is not None else "?", "missing")
+    if not folder.is_dir():
+        run.status = "missing" if not status or status == "pending" else status
+        return run
+    run.final = _read_json(folder / "eval_final.json")
+    run.untrained = _read_json(folder / "eval_untrained.json")
+    run.metrics = _metrics(folder / "metrics.jsonl")
+    for p in sorted(folder.glob("eval_final_without_*.json")):
+        r = _read_json(p)
+        if r is not None:
+            run.without[p.stem.removeprefix("eval_final_without_")] = r
+    if run.final is not None:
+        run.status = "complete"
+    elif status and status.startswith("failed"):
+        run.status = status
+    elif run.metrics or run.untrained is not None:
+        done = run.metrics[-1]["iteration"] if run.metrics else 0
+        run.status = f"partial ({done}/{planned_iters if planned_iters is not None else '?'} iterations)"
+    else:
+        run.status = "not started"
+    return run
+
+
+def find_runs(paths: list[str]) -> list[RunInfo]:
+    """Every run under ``paths`` (see the module docstring); a path holding none is an error."""
+    runs: list[RunInfo] = []
+    for p in map(Path, paths):
+        if not p.exists():
+            raise UserError(f"{p} not found; give run folders (output_dir of marft train) or sweep folders")
+        plan = _read_json(p / "sweep.json") if (p / "sweep.json").is_file() else None
+        if plan is not None:
+            for r in plan.get("runs", []):
+                runs.append(_load_run(p / r["folder"], r["labels"], r.get("status")))
+            continue
+        if (p / "config.yaml").is_file():
+            runs.append(_load_run(p, _read_json(p / "sweep_run.json").get("labels") if (p / "sweep_run.json").is_file() else None, None))
+            continue
+        found = sorted({c.parent for c in p.glob("*/config.yaml")} | {c.parent for c in p.glob("*/*/config.yaml")})
+        if not found:
+            raise UserError(f"{p} holds no marft runs (no config.yaml in it or in its subfolders) and no sweep.json")
+        for f in found:
+            sr = _read_json(f / "sweep_run.json") if (f / "sweep_run.json").is_file() else None
+            runs.append(_load_run(f, sr.get("labels") if sr else None, None))
+    return runs
+
+
+def _group_key(labels: dict[str, str]) -> tuple:
+    return tuple(labels.items())
+
+
+def _summary(results: list[dict]) -> dict | None:
+    """Mean, std over seeds and the pooled 95% interval of a list of evaluation results."""
+    if not results:
+        return None
+    accs = [r["accuracy"] for r in results]
+    out = {"mean": statistics.fmean(accs), "std": statistics.stdev(accs) if len(accs) > 1 else None,
+           "seeds": len(accs), "per_seed": accs}
+    per = [r.get("per_problem_success") for r in results]
+    out["problems"] = len(per[0]) if per[0] else None
+    if len(results) == 1:
+        out["ci95"] = results[0].get("ci95")  # marft eval's own interval
+    elif all(per) and len({len(x) for x in per}) == 1:
+        table = torch.tensor(per, dtype=torch.float).T  # [problems, seeds]: problems are the units
+        mean, per_problem = float(table.mean()), table.mean(1)
+        se = float(per_problem.std(unbiased=True)) / math.sqrt(len(per_problem)) if len(per_problem) > 1 else 0.5
+        out["ci95"] = [max(0.0, mean - 1.96 * se), min(1.0, mean + 1.96 * se)]
+    else:
+        out["ci95"] = None  # the seeds were evaluated on different problem sets
+    return out
+
+
+def build_report(runs: list[RunInfo]) -> dict:
+    groups: dict[tuple, list[RunInfo]] = {}
+    for r in runs:
+        groups.setdefault(_group_key(r.labels), []).append(r)
+    rows = []
+    for key, members in groups.items():
+        done = [r for r in members if r.final is not None]
+        final = _summary([r.final for r in done])
+        untrained = _summary([r.untrained for r in done if r.untrained is not None])
+        without = {}
+        agents = sorted({a for r in done for a in r.without})
+        for a in agents:
+            both = [r for r in done if a in r.without]
+            without[a] = {"with": statistics.fmean(r.final["accuracy"] for r in both),
+                          "without": statistics.fmean(r.without[a]["accuracy"] for r in both), "seeds": len(both)}
+        minutes = [sum(m.get("seconds", 0.0) for m in r.metrics) / 60 for r in done if r.metrics]
+        rows.append({
+            "labels": dict(key), "runs_complete": len(done), "runs_planned": len(members),
+            "final": final, "untrained": untrained,
+            "delta": (final["mean"] - untrained["mean"]) if final and untrained else None,
+            "train_minutes": statistics.fmean(minutes) if minutes else None,
+            "without": without,
+            "incomplete": [{"folder": str(r.folder), "seed": r.seed, "status": r.status} for r in members if r.final is None],
+        })
+    # runs without their own untrained evaluation (eval.before=false) compare with the group whose
+    # algorithm label is "untrained" (a train.iterations=0 run) and whose other labels are the same
+    baseline = {tuple((k, v) for k, v in r["labels"].items() if k != "algorithm"): r["final"]
+                for r in rows if r["labels"].get("algorithm") == "untrained"}
+    for r in rows:
+        if r["untrained"] is None and r["labels"].get("algorithm") not in (None, "untrained"):
+            r["untrained"] = baseline.get(tuple((k, v) for k, v in r["labels"].items() if k != "algorithm"))
+            if r["final"] and r["untrained"]:
+                r["delta"] = r["final"]["mean"] - r["untrained"]["mean"]
+    return {"groups": rows, "runs": len(runs), "complete": sum(r.final is not None for r in runs)}
+
+
+def _pct(x) -> str:
+    return "–" if x is None else f"{100 * x:.1f}"
+
+
+def _cell(s: dict | None) -> tuple[str, str]:
+    if s is None:
+        return "–", "–"
+    mean = f"{100 * s['mean']:.1f}" + (f" ± {100 * s['std']:.1f}" if s["std"] is not None else "")
+    ci = f"{100 * s['ci95'][0]:.1f}–{100 * s['ci95'][1]:.1f}" if s.get("ci95") else "–"
+    return mean, ci
+
+
+def to_markdown(report: dict, plots: list[str]) -> str:
+    rows = report["groups"]
+    axes = list(dict.fromkeys(k for r in rows for k in r["labels"]))
+    lines = [f"# marft report", "",
+             f"{report['complete']} of {report['runs']} runs complete. Accuracy on held-out problems in %: mean ± "
+             "standard deviation over seeds, and the 95% interval pooled over seeds (problems as the units).", ""]
+    head = [*axes, "runs", "untrained", "untrained 95% CI", "final", "final 95% CI", "change", "train min/run"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        u, uci = _cell(r["untrained"])
+        f, fci = _cell(r["final"])
+        runs = f"{r['runs_complete']}/{r['runs_planned']}" + ("" if r["runs_complete"] == r["runs_planned"] else " ⚠")
+        change = "–" if r["delta"] is None else f"{100 * r['delta']:+.1f}"
+        mins = "–" if r["train_minutes"] is None else f"{r['train_minutes']:.1f}"
+        lines.append("| " + " | ".join([*(r["labels"].get(a, "") for a in axes), runs, u, uci, f, fci, change, mins]) + " |")
+    incomplete = [(r, x) for r in rows for x in r["incomplete"]]
+    if incomplete:
+        lines += ["", "Runs not in the table (not complete):", ""]
+        lines += [f"- {x['folder']} (seed {x['seed']}): {x['status']}" for _, x in incomplete]
+    ablations = [(r, a, v) for r in rows for a, v in r["without"].items()]
+    if ablations:
+        lines += ["", "## What each agent adds", "",
+                  "Held-out accuracy (%) of the trained team, and of the same team with one agent left out (it does "
+                  "not act; nobody sees its message), mean over seeds:", "",
+                  "| " + " | ".join([*axes, "agent left out", "whole team", "without it", "its contribution"]) + " |",
+                  "|" + "---|" * (len(axes) + 4)]
+        for r, a, v in ablations:
+            lines.append("| " + " | ".join([*(r["labels"].get(x, "") for x in axes), a, _pct(v["with"]), _pct(v["without"]),
+                                            f"{100 * (v['with'] - v['without']):+.1f}"]) + " |")
+    if plots:
+        lines += ["", "## Training curves", ""] + [f"![{p}]({p})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(runs: list[RunInfo], out: Path) -> list[str]:
+    """One PNG per group without the algorithm axis: lines per remaining label set (seed mean)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    figures: dict[tuple, dict[tuple, list[RunInfo]]] = {}
+    for r in runs:
+        if not r.metrics:
+            continue
+        fig_key = tuple((k, v) for k, v in r.labels.items() if k != "algorithm")
+        line_key = tuple((k, v) for k, v in r.labels.items() if k == "algorithm") or (("run", r.folder.name),)
+        figures.setdefault(fig_key, {}).setdefault(line_key, []).append(r)
+    files = []
+    for fig_key, lines in figures.items():
+        fig, axs = plt.subplots(1, len(CURVES), figsize=(4.0 * len(CURVES), 3.4), dpi=80)
+        for ax, (metric, title) in zip(axs, CURVES):
+            for color, (line_key, members) in zip(plt.cm.tab10.colors, lines.items()):
+                name = ", ".join(v for _, v in line_key)
+                keys = sorted({k for r in members for m in r.metrics for k in m if k == metric
+                               or k.endswith("/" + metric) or k.startswith(metric + "/")} - {"skipped/" + metric})
+                for style, k in zip(["-", "--", ":", "-."] * 4, keys):
+                    xs, ys = _seed_mean(members, k)
+                    if xs:
+                        agent = "/".join(x for x in k.split("/") if x != metric)  # planner/approx_kl, value_loss/planner
+                        ax.plot(xs, ys, style, color=color, label=f"{name} {agent}".strip())
+            ax.set_title(title, fontsize=10)
+            ax.set_xlabel("iteration")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.grid(alpha=0.3)
+            if ax.lines:
+                ax.legend(fontsize=7)
+            else:
+                ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+        fig.suptitle(", ".join(f"{k} {v}" for k, v in fig_key) or "training curves", fontsize=11)
+        fig.tight_layout()
+        name = "curves_" + ("_".join(f"{k}-{v}" for k, v in fig_key) or "all") + ".png"
+        name = "".join(c if c.isalnum() or c in "._-+" else "_" for c in name)
+        fig.savefig(out / name)
+        plt.close(fig)
+        files.append(name)
+    return files
+
+
+def _seed_mean(members: list[RunInfo], key: str) -> tuple[list[int], list[float]]:
+    by_it: dict[int, list[float]] = {}
+    for r in members:
+        for m in r.metrics:
+            v = m.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                by_it.setdefault(int(m["iteration"]), []).append(float(v))
+    xs = sorted(by_it)
+    return xs, [statistics.fmean(by_it[x]) for x in xs]
+
+
+def cmd_report(args) -> int:
+    import sys
+
+    runs = find_runs(args.runs)
+    out = Path(args.out) if args.out else Path(args.runs[0]) / "report"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create the report folder {out} ({e.strerror}); choose another --out") from None
+    report = build_report(runs)
+    plots = plot_curves(runs, out)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    md = to_markdown(report, plots)
+    (out / "report.md").write_text(md)
+    print(md)
+    print(f"marft report: {report['complete']} of {report['runs']} runs complete; wrote {out / 'report.md'}, "
+          f"{out / 'report.json'} and {len(plots)} plot(s)", file=sys.stderr)
+    return 0

@@ -1,0 +1,255 @@
+"""``marft sweep SWEEP.yaml``: a grid of training runs, each in its own folder, resumable.
+
+A sweep file names a base config, overrides common to every run, and one or more grids. A grid
+maps an axis name to its values: a list of values of the config key the axis is named after
+(``seed: [0, 1]``), or a mapping ``label: {key: value, ...}`` when one choice sets several keys::
+
+    output_dir: runs/my_sweep
+    base: duo_arithmetic.yaml          # relative to this file
+    parallel: 1                         # runs at once, each its own process
+    overrides: {train.iterations: 10}
+    grids:
+      - task: {chain_sum: {task.name: chain_sum}}
+        algorithm:
+          marft: {train.algorithm: marft}
+          ippo: {train.algorithm: ippo}
+        seed: [0, 1]
+
+Every combination of a grid is one run, in ``<output_dir>/<axis>-<label>__...``; grids are
+unioned (a later grid may add, for example, an ablation for one team only). Before anything runs,
+every run's config is loaded and checked, so a wrong key fails the sweep at once.
+
+Runs go one after another, or ``parallel`` at a time with ``threads`` torch threads each (0: the
+machine's cores divided among them). A run whose folder holds ``eval_final.json`` is complete and
+skipped; one with a checkpoint is resumed with ``marft train --resume``; any other starts afresh.
+So an interrupted sweep, run again, continues where it stopped. ``<output_dir>/sweep.json`` lists
+every planned run, its labels and its status; ``marft report <output_dir>`` reads it (runs not
+finished are reported as such). A run that fails is recorded and the sweep goes on; the sweep then
+exits with status 1. Each run's output goes to ``log.txt`` in its folder.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .errors import UserError
+
+KNOWN = {"output_dir", "base", "parallel", "threads", "overrides", "grid", "grids"}
+
+
+@dataclass
+class Run:
+    name: str
+    folder: Path
+    labels: dict[str, str]  # axis -> label
+    overrides: list[str]  # key=value, after the sweep's common overrides
+    status: str = "pending"  # pending | complete | failed (exit N) | running
+    seconds: float = 0.0
+
+
+@dataclass
+class Sweep:
+    path: Path
+    output_dir: Path
+    base: Path
+    parallel: int
+    threads: int
+    common: list[str]
+    runs: list[Run] = field(default_factory=list)
+
+
+def _as_overrides(value, where: str) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, dict):
+        return [f"{k}={_yaml_value(v)}" for k, v in value.items()]
+    if isinstance(value, list) and all(isinstance(x, str) and "=" in x for x in value):
+        return list(value)
+    raise UserError(f"sweep: {where} must be a mapping {{key: value}} or a list of key=value strings, got {value!r}")
+
+
+def _yaml_value(v) -> str:
+    if isinstance(v, str):
+        return v
+    return yaml.safe_dump(v, default_flow_style=True, width=10**6).strip().removesuffix("\n...").strip()
+
+
+def _safe(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.+-]", "_", label)
+
+
+def _axis(name: str, values, where: str) -> list[tuple[str, list[str]]]:
+    """(label, overrides) for each value of one axis."""
+    if isinstance(values, list):
+        if not values:
+            raise UserError(f"sweep: {where}.{name} is an empty list; give at least one value")
+        return [(str(v), [f"{name}={_yaml_value(v)}"]) for v in values]
+    if isinstance(values, dict):
+        if not values:
+            raise UserError(f"sweep: {where}.{name} is empty; give at least one label")
+        out = []
+        for label, v in values.items():
+            if isinstance(v, dict) or isinstance(v, list):
+                out.append((str(label), _as_overrides(v, f"{where}.{name}.{label}")))
+            else:
+                out.append((str(label), [f"{name}={_yaml_value(v)}"]))
+        return out
+    raise UserError(f"sweep: {where}.{name} must be a list of values or a mapping label -> overrides, got {values!r}")
+
+
+def load_sweep(path: str | Path) -> Sweep:
+    """Read and check a sweep file: every run's config is loaded (and so validated) here."""
+    from .config import load_config
+
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"sweep file {p} not found; give a YAML file such as configs/sweep_paper_small.yaml")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise UserError(f"sweep file {p} is not valid YAML: {getattr(e, 'problem', e)}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"sweep file {p} must hold a mapping (output_dir:, base:, grids:, ...)")
+    unknown = sorted(set(data) - KNOWN)
+    if unknown:
+        raise UserError(f"sweep file {p}: unknown key(s) {', '.join(unknown)}; expected {', '.join(sorted(KNOWN))}")
+    if "base" not in data or "output_dir" not in data:
+        raise UserError(f"sweep file {p} needs base: (a config file) and output_dir: (where the runs go)")
+    base = Path(data["base"])
+    if not base.is_absolute():
+        base = (p.parent / base) if (p.parent / base).is_file() else base
+    if not base.is_file():
+        raise UserError(f"sweep file {p}: base config {data['base']} not found (looked next to the sweep file and in the current folder)")
+    grids = data.get("grids", [data["grid"]] if "grid" in data else None)
+    if not grids or not isinstance(grids, list) or not all(isinstance(g, dict) and g for g in grids):
+        raise UserError(f"sweep file {p} needs grids: a list of mappings axis -> values (or one grid:)")
+    parallel, threads = data.get("parallel", 1), data.get("threads", 0)
+    if not isinstance(parallel, int) or parallel < 1 or not isinstance(threads, int) or threads < 0:
+        raise UserError(f"sweep file {p}: parallel must be a positive integer and threads 0 or more")
+    sweep = Sweep(p, Path(data["output_dir"]), base, parallel, threads, _as_overrides(data.get("overrides"), "overrides"))
+    seen: dict[str, Run] = {}
+    for gi, grid in enumerate(grids):
+        axes = [(name, _axis(name, values, f"grids.{gi}")) for name, values in grid.items()]
+        for combo in itertools.product(*[values for _, values in axes]):
+            labels = {name: label for (name, _), (label, _) in zip(axes, combo)}
+            name = "__".join(f"{_safe(a)}-{_safe(lab)}" for a, lab in labels.items())
+            if name in seen:
+                continue
+            overrides = [o for _, ov in combo for o in ov]
+            seen[name] = Run(name, sweep.output_dir / name, labels, overrides)
+    sweep.runs = list(seen.values())
+    for run in sweep.runs:
+        try:
+            load_config(sweep.base, [*sweep.common, *run.overrides, f"output_dir={run.folder}"])
+        except UserError as e:
+            raise UserError(f"sweep run {run.name}: {e}") from None
+    return sweep
+
+
+def run_state(folder: Path) -> str:
+    """complete (eval_final.json), resumable (a checkpoint) or new."""
+    from .trainer import latest_checkpoint
+
+    if (folder / "eval_final.json").is_file():
+        return "complete"
+    return "resumable" if latest_checkpoint(folder) is not None else "new"
+
+
+def _command(sweep: Sweep, run: Run, threads: int) -> list[str]:
+    cmd = [sys.executable, "-m", "marft.cli", "train"]
+    if run_state(run.folder) == "resumable":
+        return [*cmd, "--resume", str(run.folder), f"threads={threads}"]
+    return [*cmd, str(sweep.base), *sweep.common, *run.overrides, f"output_dir={run.folder}", f"threads={threads}"]
+
+
+_PLAN_LOCK = threading.Lock()  # runs in parallel threads report their status through one file
+
+
+def _write_plan(sweep: Sweep) -> None:
+    with _PLAN_LOCK:
+        sweep.output_dir.mkdir(parents=True, exist_ok=True)
+        plan = {"sweep": str(sweep.path), "base": str(sweep.base), "common": sweep.common,
+                "runs": [{"name": r.name, "folder": r.name, "labels": r.labels, "overrides": r.overrides,
+                          "status": r.status, "seconds": round(r.seconds, 1)} for r in sweep.runs]}
+        tmp = sweep.output_dir / "sweep.json.tmp"
+        tmp.write_text(json.dumps(plan, indent=2))
+        tmp.replace(sweep.output_dir / "sweep.json")
+
+
+def run_sweep(sweep: Sweep, log=print, execute=None) -> int:
+    """Run every run not yet complete; 0 if all are complete at the end, else 1. ``execute(cmd,
+    log_path) -> exit status`` runs one command (a subprocess by default)."""
+    execute = execute or _execute
+    threads = sweep.threads or max(1, (os.cpu_count() or 1) // sweep.parallel)
+    for run in sweep.runs:
+        run.status = "complete" if run_state(run.folder) == "complete" else "pending"
+    _write_plan(sweep)
+    todo = [r for r in sweep.runs if r.status != "complete"]
+    log(f"sweep {sweep.path}: {len(sweep.runs)} runs, {len(sweep.runs) - len(todo)} complete, {len(todo)} to run "
+        f"({sweep.parallel} at a time, {threads} threads each), in {sweep.output_dir}")
+
+    def one(run: Run) -> None:
+        run.folder.mkdir(parents=True, exist_ok=True)
+        (run.folder / "sweep_run.json").write_text(json.dumps({"name": run.name, "labels": run.labels,
+                                                               "overrides": [*sweep.common, *run.overrides]}, indent=2))
+        cmd = _command(sweep, run, threads)
+        how = "resuming" if "--resume" in cmd else "starting"
+        log(f"{how} {run.name}")
+        t0 = time.perf_counter()
+        rc = execute(cmd, run.folder / "log.txt")
+        run.seconds = time.perf_counter() - t0
+        if rc in (130, -2):  # Ctrl-C reached the run too: it saved a checkpoint; stop the sweep
+            run.status = "interrupted"
+            _write_plan(sweep)
+            raise KeyboardInterrupt
+        if rc == 0 and run_state(run.folder) == "complete":
+            run.status = "complete"
+            log(f"done {run.name} ({run.seconds / 60:.1f} min)")
+        else:
+            run.status = f"failed (exit {rc})"
+            log(f"FAILED {run.name} (exit {rc}); see {run.folder / 'log.txt'}")
+        _write_plan(sweep)
+
+    if sweep.parallel == 1:
+        for run in todo:
+            one(run)
+    else:
+        with ThreadPoolExecutor(sweep.parallel) as pool:
+            list(pool.map(one, todo))
+    failed = [r for r in sweep.runs if r.status != "complete"]
+    log(f"sweep finished: {len(sweep.runs) - len(failed)} of {len(sweep.runs)} runs complete"
+        + (f"; failed: {', '.join(r.name for r in failed)}" if failed else "")
+        + f". Report: marft report {sweep.output_dir}")
+    return 1 if failed else 0
+
+
+def _execute(cmd: list[str], log_path: Path) -> int:
+    with open(log_path, "a") as out:
+        out.write(f"\n$ {' '.join(cmd)}\n")
+        out.flush()
+        return subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode
+
+
+def cmd_sweep(args) -> int:
+    sweep = load_sweep(args.sweep)
+    if args.parallel is not None:
+        if args.parallel < 1:
+            raise UserError(f"--parallel must be at least 1, got {args.parallel}")
+        sweep.parallel = args.parallel
+    if args.dry_run:
+        for run in sweep.runs:
+            print(f"{run.name}  [{run_state(run.folder)}]  {' '.join(run.overrides)}")
+        print(f"{len(sweep.runs)} runs in {sweep.output_dir}; base {sweep.base} with {' '.join(sweep.common)}")
+        return 0
+    return run_sweep(sweep, log=lambda m: print(f"marft sweep: {m}", file=sys.stderr, flush=True))

@@ -1,0 +1,134 @@
+"""``marft report`` on synthetic run folders: known numbers in, known table out; missing, failed
+and partial runs are reported, not dropped; plots are real PNG images."""
+import json
+import struct
+
+import pytest
+
+from marft.cli import main
+from marft.config import load_config, save_config
+from marft.report import build_report, find_runs
+
+
+def make_run(folder, seed, final, untrained=None, iterations=3, metrics=None, without=None, algorithm="marft", sweep_labels=None):
+    folder.mkdir(parents=True)
+    save_config(load_config("configs/duo_arithmetic.yaml", [f"seed={seed}", f"train.iterations={iterations}",
+                                                            f"train.algorithm={algorithm}", f"output_dir={folder}"]),
+                folder / "config.yaml")
+    if metrics is None:
+        metrics = [{"iteration": i + 1, "reward": 0.1 * (i + 1), "accuracy": 0.1 * (i + 1), "seconds": 60.0,
+                    "planner/approx_kl": 0.01, "solver/approx_kl": 0.02, "planner/entropy": 1.0,
+                    "solver/entropy": 0.9, "value_loss": 0.5} for i in range(iterations)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+
+    def result(per):
+        return {"accuracy": sum(per) / len(per), "ci95": [0.0, 1.0], "per_problem_success": per}
+
+    if untrained is not None:
+        (folder / "eval_untrained.json").write_text(json.dumps(result(untrained)))
+    if final is not None:
+        (folder / "eval_final.json").write_text(json.dumps(result(final)))
+    for agent, per in (without or {}).items():
+        (folder / f"eval_final_without_{agent}.json").write_text(json.dumps(result(per)))
+    if sweep_labels:
+        (folder / "sweep_run.json").write_text(json.dumps({"labels": sweep_labels}))
+
+
+@pytest.fixture
+def sweep_dir(tmp_path):
+    root = tmp_path / "sweep"
+    runs = []
+
+    def add(name, labels, status="complete", **kw):
+        if kw:
+            make_run(root / name, labels["seed"], sweep_labels=labels, **kw)
+        runs.append({"name": name, "folder": name, "labels": labels, "status": status})
+
+    add("m0", {"algorithm": "marft", "seed": "0"}, final=[1, 0, 1, 0], untrained=[0, 0, 1, 0], without={"planner": [0, 0, 1, 0]})
+    add("m1", {"algorithm": "marft", "seed": "1"}, final=[1, 1, 1, 0], untrained=[0, 0, 1, 0], without={"planner": [1, 0, 1, 0]})
+    add("i0", {"algorithm": "ippo", "seed": "0"}, final=[0, 0, 0, 1], untrained=[0, 0, 1, 0])
+    add("i1", {"algorithm": "ippo", "seed": "1"}, status="pending")  # never started: no folder
+    add("g0", {"algorithm": "grpo", "seed": "0"}, status="failed (exit 2)", final=None, untrained=[0, 0, 1, 0], iterations=5,
+        metrics=[{"iteration": 1, "reward": 0.0, "accuracy": 0.0, "seconds": 10.0}])
+    add("g1", {"algorithm": "grpo", "seed": "1"}, final=None, untrained=[0, 0, 1, 0], iterations=5,
+        metrics=[{"iteration": 1, "reward": 0.0}, {"iteration": 2, "reward": 0.0}])
+    (root / "sweep.json").write_text(json.dumps({"runs": runs}))
+    return root
+
+
+def test_known_numbers_in_known_table_out(sweep_dir):
+    report = build_report(find_runs([str(sweep_dir)]))
+    rows = {r["labels"]["algorithm"]: r for r in report["groups"]}
+    m = rows["marft"]
+    assert m["runs_complete"] == m["runs_planned"] == 2
+    assert m["final"]["mean"] == pytest.approx(0.625)
+    assert m["final"]["std"] == pytest.approx(0.1767767, abs=1e-6)  # stdev of 0.5 and 0.75
+    # pooled: per-problem means over seeds 1, .5, 1, 0 -> sd .4787, se .2394, 0.625 -+ 0.4692 (clipped at 1)
+    assert m["final"]["ci95"] == pytest.approx([0.15582, 1.0], abs=1e-4)
+    assert m["untrained"]["mean"] == pytest.approx(0.25) and m["untrained"]["std"] == 0.0
+    assert m["untrained"]["ci95"] == pytest.approx([0.0, 0.74], abs=1e-6)  # sd .5, se .25
+    assert m["delta"] == pytest.approx(0.375)
+    assert m["train_minutes"] == pytest.approx(3.0)
+    assert m["without"]["planner"] == {"with": pytest.approx(0.625), "without": pytest.approx(0.375), "seeds": 2}
+    i = rows["ippo"]
+    assert (i["runs_complete"], i["runs_planned"]) == (1, 2)
+    assert i["final"]["std"] is None and i["final"]["ci95"] == [0.0, 1.0]  # one seed: the run's own interval
+    assert i["incomplete"] == [{"folder": str(sweep_dir / "i1"), "seed": "1", "status": "missing"}]
+    g = rows["grpo"]
+    assert g["final"] is None and g["runs_complete"] == 0
+    assert [x["status"] for x in g["incomplete"]] == ["failed (exit 2)", "partial (2/5 iterations)"]
+    assert report["runs"] == 6 and report["complete"] == 3
+
+
+def png_size(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_report_command_writes_markdown_json_and_plots(sweep_dir, capsys):
+    out = sweep_dir / "out"
+    assert main(["report", str(sweep_dir), "--out", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    assert "| marft | 2/2 | 25.0 ± 0.0 | 0.0–74.0 | 62.5 ± 17.7 | 15.6–100.0 | +37.5 | 3.0 |" in md
+    assert "| ippo | 1/2 ⚠ | 25.0 | 0.0–100.0 | 25.0 | 0.0–100.0 | +0.0 | 3.0 |" in md
+    assert f"- {sweep_dir / 'i1'} (seed 1): missing" in md
+    assert f"- {sweep_dir / 'g0'} (seed 0): failed (exit 2)" in md
+    assert f"- {sweep_dir / 'g1'} (seed 1): partial (2/5 iterations)" in md
+    assert "| marft | planner | 62.5 | 37.5 | +25.0 |" in md
+    data = json.loads((out / "report.json").read_text())
+    assert len(data["groups"]) == 3
+    plots = sorted(out.glob("*.png"))
+    assert [p.name for p in plots] == ["curves_all.png"]
+    w, h = png_size(plots[0])
+    assert (w, h) == (1600, 272) and plots[0].stat().st_size < 300_000
+    assert "![curves_all.png](curves_all.png)" in md
+
+
+def test_runs_outside_a_sweep_are_labelled_from_their_config(tmp_path):
+    make_run(tmp_path / "a", 0, final=[1, 1, 0, 0], untrained=[0, 0, 0, 0])
+    make_run(tmp_path / "b", 1, final=[1, 0, 0, 0], untrained=[0, 0, 0, 0])
+    make_run(tmp_path / "c", 0, final=[1, 1, 1, 1], untrained=[0, 0, 0, 0], algorithm="grpo")
+    report = build_report(find_runs([str(tmp_path)]))
+    rows = {r["labels"]["algorithm"]: r for r in report["groups"]}
+    assert rows["marft"]["labels"] == {"task": "chain_sum", "team": "duo", "algorithm": "marft"}
+    assert rows["marft"]["final"]["mean"] == pytest.approx(0.375) and rows["marft"]["runs_complete"] == 2
+    assert rows["grpo"]["final"]["mean"] == 1.0
+
+
+def test_report_of_nothing_is_a_user_error(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "nope")]) == 2
+    assert "not found" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["report", str(tmp_path / "empty")]) == 2
+    assert "holds no marft runs" in capsys.readouterr().err
+
+
+def test_untrained_row_is_the_baseline_of_its_group(tmp_path):
+    root = tmp_path / "s"
+    make_run(root / "u", 0, final=[0, 0, 0, 1], iterations=0, metrics=[], sweep_labels={"team": "2", "algorithm": "untrained", "seed": "0"})
+    make_run(root / "m", 0, final=[0, 1, 1, 1], sweep_labels={"team": "2", "algorithm": "marft", "seed": "0"})
+    make_run(root / "t", 0, final=[1, 1, 1, 1], sweep_labels={"team": "3", "algorithm": "marft", "seed": "0"})
+    rows = {(r["labels"]["team"], r["labels"]["algorithm"]): r for r in build_report(find_runs([str(root)]))["groups"]}
+    assert rows[("2", "marft")]["untrained"]["mean"] == 0.25 and rows[("2", "marft")]["delta"] == pytest.approx(0.5)
+    assert rows[("3", "marft")]["untrained"] is None and rows[("3", "marft")]["delta"] is None  # no baseline for team 3

@@ -1,0 +1,187 @@
+"""``marft sweep``: grids expand to one run each (grids unioned), every run's config is checked
+before anything runs, complete runs are skipped, checkpointed ones resumed, failed ones recorded
+and retried; and a real two-run sweep on the tiny model, interrupted and run again, finishes."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from marft.cli import main
+from marft.errors import UserError
+from marft.sweep import load_sweep, run_sweep
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write(path, text):
+    path.write_text(text)
+    return path
+
+
+SWEEP = """
+output_dir: {out}
+base: {base}
+overrides: {{train.iterations: 2}}
+grids:
+  - team: {{"2": {{team.preset: duo}}, "3": {{team.preset: trio}}}}
+    algorithm:
+      marft: {{train.algorithm: marft}}
+      marft-ps: {{train.algorithm: marft, team.share_adapter: true}}
+    seed: [0, 1]
+  - team: {{"2-anon": {{team.preset: duo-anon}}}}
+    algorithm: {{marft: {{train.algorithm: marft}}}}
+    seed: [0, 1]
+"""
+
+
+def test_grids_expand_and_union(tmp_path):
+    path = write(tmp_path / "s.yaml", SWEEP.format(out=tmp_path / "out", base=ROOT / "configs/duo_arithmetic.yaml"))
+    sweep = load_sweep(path)
+    assert len(sweep.runs) == 2 * 2 * 2 + 2
+    first = sweep.runs[0]
+    assert first.name == "team-2__algorithm-marft__seed-0"
+    assert first.labels == {"team": "2", "algorithm": "marft", "seed": "0"}
+    assert first.overrides == ["team.preset=duo", "train.algorithm=marft", "seed=0"]
+    ps = next(r for r in sweep.runs if r.labels["algorithm"] == "marft-ps")
+    assert "team.share_adapter=true" in ps.overrides
+    assert sweep.runs[-1].name == "team-2-anon__algorithm-marft__seed-1"
+    assert sweep.common == ["train.iterations=2"]
+
+
+@pytest.mark.parametrize("text,message", [
+    ("output_dir: o\nbase: configs/duo_arithmetic.yaml\ngrid: {rollout.temprature: [1]}\n",
+     "sweep run rollout.temprature-1: config: unknown key 'rollout.temprature'"),
+    ("output_dir: o\nbase: configs/duo_arithmetic.yaml\ngrid: {seed: []}\n", "grids.0.seed is an empty list"),
+    ("output_dir: o\nbase: configs/nope.yaml\ngrid: {seed: [0]}\n", "base config configs/nope.yaml not found"),
+    ("output_dir: o\nbase: configs/duo_arithmetic.yaml\ngird: {seed: [0]}\n", "unknown key(s) gird"),
+    ("output_dir: o\nbase: configs/duo_arithmetic.yaml\n", "needs grids:"),
+])
+def test_bad_sweep_files_fail_before_running(tmp_path, monkeypatch, capsys, text, message):
+    monkeypatch.chdir(ROOT)
+    path = write(tmp_path / "bad.yaml", text)
+    assert main(["sweep", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not Path(ROOT / "o").exists()
+
+
+def fake_executor(calls, fail=()):
+    """Stands in for ``marft train``: a new run gets a checkpoint then eval_final.json; runs named
+    in ``fail`` exit 1 after writing their checkpoint."""
+    def execute(cmd, log_path):
+        folder = Path(cmd[cmd.index("--resume") + 1]) if "--resume" in cmd else \
+            Path(next(a for a in cmd if a.startswith("output_dir=")).split("=", 1)[1])
+        calls.append((folder.name, "--resume" in cmd))
+        (folder / "checkpoints" / "iter_000001").mkdir(parents=True, exist_ok=True)
+        (folder / "checkpoints" / "latest").write_text("iter_000001")
+        if folder.name in fail:
+            return 1
+        (folder / "eval_final.json").write_text("{}")
+        return 0
+    return execute
+
+
+def test_complete_runs_are_skipped_checkpointed_ones_resumed_failed_ones_retried(tmp_path):
+    path = write(tmp_path / "s.yaml", "output_dir: {}\nbase: {}\ngrid: {{seed: [0, 1, 2]}}\n".format(
+        tmp_path / "out", ROOT / "configs/duo_arithmetic.yaml"))
+    sweep = load_sweep(path)
+    calls = []
+    assert run_sweep(sweep, log=lambda m: None, execute=fake_executor(calls, fail={"seed-1"})) == 1
+    assert calls == [("seed-0", False), ("seed-1", False), ("seed-2", False)]
+    plan = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    assert [r["status"] for r in plan["runs"]] == ["complete", "failed (exit 1)", "complete"]
+    assert json.loads((tmp_path / "out" / "seed-1" / "sweep_run.json").read_text())["labels"] == {"seed": "1"}
+    # run again: only the failed run goes, and it resumes from its checkpoint
+    calls.clear()
+    assert run_sweep(load_sweep(path), log=lambda m: None, execute=fake_executor(calls)) == 0
+    assert calls == [("seed-1", True)]
+    plan = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    assert [r["status"] for r in plan["runs"]] == ["complete"] * 3
+    calls.clear()
+    assert run_sweep(load_sweep(path), log=lambda m: None, execute=fake_executor(calls)) == 0
+    assert calls == []
+
+
+def test_parallel_runs_each_get_their_share_of_threads(tmp_path):
+    path = write(tmp_path / "s.yaml", "output_dir: {}\nbase: {}\nparallel: 2\nthreads: 0\ngrid: {{seed: [0, 1, 2, 3]}}\n".format(
+        tmp_path / "out", ROOT / "configs/duo_arithmetic.yaml"))
+    seen = []
+
+    def execute(cmd, log_path):
+        seen.append(next(a for a in cmd if a.startswith("threads=")))
+        return fake_executor([])(cmd, log_path)
+
+    assert run_sweep(load_sweep(path), log=lambda m: None, execute=execute) == 0
+    assert seen == [f"threads={max(1, (os.cpu_count() or 1) // 2)}"] * 4
+
+
+VOWEL_ENV = '''
+from marft.envs.base import TurnBasedEnv, Problem, Grade
+
+class Vowel(TurnBasedEnv):
+    def new_problem(self, rng, split, index):
+        return Problem("Say a word.", None)
+    def grade(self, problem, reply):
+        return Grade(reply.strip()[:1].lower() in tuple("aeiou"), True)
+'''
+
+
+def test_real_sweep_killed_and_run_again_finishes(tiny_model_dir, tmp_path):
+    env = write(tmp_path / "vowel_env.py", VOWEL_ENV)
+    out = tmp_path / "out"
+    path = write(tmp_path / "s.yaml", f"""
+output_dir: {out}
+base: {ROOT / 'configs/duo_arithmetic.yaml'}
+overrides:
+  model.name: {tiny_model_dir}
+  model.dtype: float32
+  model.device: cpu
+  task.kind: custom
+  task.env: {env}:Vowel
+  task.options: {{}}
+  rollout.max_new_tokens: 3
+  rollout.episodes: 8
+  eval.problems: 2
+  train.minibatch_size: 4
+  train.iterations: 2
+  train.save_every: 1
+grid:
+  algorithm: {{marft: {{train.algorithm: marft}}, grpo: {{train.algorithm: grpo}}}}
+""")
+    envvars = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "marft.cli", "sweep", str(path)], cwd=ROOT, env=envvars,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    first = out / "algorithm-marft" / "eval_final.json"
+    deadline = time.monotonic() + 300
+    while not first.is_file() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert first.is_file()
+    os.killpg(proc.pid, signal.SIGKILL)  # the sweep and the run it had started
+    proc.wait()
+    before = first.stat().st_mtime_ns
+    r = subprocess.run([sys.executable, "-m", "marft.cli", "sweep", str(path)], cwd=ROOT, env=envvars,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "2 runs, 1 complete, 1 to run" in r.stderr
+    assert first.stat().st_mtime_ns == before  # the complete run was not touched
+    assert (out / "algorithm-grpo" / "eval_final.json").is_file()
+    assert main(["report", str(out)]) == 0
+    report = json.loads((out / "report" / "report.json").read_text())
+    assert sorted(g["labels"]["algorithm"] for g in report["groups"]) == ["grpo", "marft"]
+    assert all(g["runs_complete"] == 1 for g in report["groups"])
+
+
+def test_missing_sweep_file_and_dry_run(tmp_path, capsys):
+    assert main(["sweep", str(tmp_path / "nope.yaml")]) == 2
+    assert "sweep file" in capsys.readouterr().err
+    path = write(tmp_path / "s.yaml", "output_dir: {}\nbase: {}\ngrid: {{seed: [0, 1]}}\n".format(
+        tmp_path / "out", ROOT / "configs/duo_arithmetic.yaml"))
+    assert main(["sweep", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "seed-0  [new]  seed=0" in out and "2 runs in" in out
+    assert not (tmp_path / "out").exists()  # a dry run writes nothing
