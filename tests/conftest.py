@@ -68,3 +68,23 @@ def tiny_overrides(tiny_model_dir, tmp_path) -> list[str]:
     return [f"model.name={tiny_model_dir}", "model.dtype=float32", "model.device=cpu",
             "rollout.max_new_tokens=8", "rollout.episodes=4", f"output_dir={tmp_path / 'run'}",
             "eval.problems=4"]
+
+
+VOWEL_ENV = '''
+from marft.envs.base import TurnBasedEnv, Problem, Grade
+
+class Vowel(TurnBasedEnv):
+    """Reward 1 when the reply starts with a vowel (about 1 in 10 for the untrained tiny model)."""
+    def new_problem(self, rng, split, index):
+        return Problem("Say a word.", None)
+    def grade(self, problem, reply):
+        return Grade(reply.strip()[:1].lower() in tuple("aeiou"), True)
+'''
+
+
+@pytest.fixture(scope="session")
+def vowel_env_path(tmp_path_factory) -> Path:
+    """A custom environment file: ``task.env=<path>:Vowel`` (a trivial task the tiny model can learn)."""
+    path = tmp_path_factory.mktemp("vowel-env") / "vowel_env.py"
+    path.write_text(VOWEL_ENV)
+    return path

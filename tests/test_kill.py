@@ -19,16 +19,6 @@ from marft.trainer import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
-VOWEL_ENV = '''
-from marft.envs.base import TurnBasedEnv, Problem, Grade
-
-class Vowel(TurnBasedEnv):
-    def new_problem(self, rng, split, index):
-        return Problem("Say a word.", None)
-    def grade(self, problem, reply):
-        return Grade(reply.strip()[:1].lower() in tuple("aeiou"), True)
-'''
-
 # Runs marft with one function wrapped so that the process SIGKILLs itself at a chosen moment of a
 # chosen iteration: argv = WHERE ITERATION marft-arguments...
 DRIVER = '''
@@ -76,12 +66,11 @@ ITERATIONS = 3
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_model_dir, tmp_path_factory):
+def setup(tiny_model_dir, vowel_env_path, tmp_path_factory):
     folder = tmp_path_factory.mktemp("kill")
-    (folder / "vowel_env.py").write_text(VOWEL_ENV)
     (folder / "driver.py").write_text(DRIVER)
     over = [f"model.name={tiny_model_dir}", "model.dtype=float32", "model.device=cpu", "threads=1",
-            "task.kind=custom", f"task.env={folder / 'vowel_env.py'}:Vowel", "task.options={}",
+            "task.kind=custom", f"task.env={vowel_env_path}:Vowel", "task.options={}",
             "rollout.max_new_tokens=3", "rollout.episodes=8", "eval.problems=2", "rollout.temperature=1.0",
             "train.lr=1e-2", "train.minibatch_size=4", "train.micro_batch_size=2", "train.save_every=1",
             f"train.iterations={ITERATIONS}"]

@@ -120,19 +120,8 @@ def test_parallel_runs_each_get_their_share_of_threads(tmp_path):
     assert seen == [f"threads={max(1, (os.cpu_count() or 1) // 2)}"] * 4
 
 
-VOWEL_ENV = '''
-from marft.envs.base import TurnBasedEnv, Problem, Grade
-
-class Vowel(TurnBasedEnv):
-    def new_problem(self, rng, split, index):
-        return Problem("Say a word.", None)
-    def grade(self, problem, reply):
-        return Grade(reply.strip()[:1].lower() in tuple("aeiou"), True)
-'''
-
-
-def test_real_sweep_killed_and_run_again_finishes(tiny_model_dir, tmp_path):
-    env = write(tmp_path / "vowel_env.py", VOWEL_ENV)
+def test_real_sweep_killed_and_run_again_finishes(tiny_model_dir, vowel_env_path, tmp_path):
+    env = vowel_env_path
     out = tmp_path / "out"
     path = write(tmp_path / "s.yaml", f"""
 output_dir: {out}

@@ -11,22 +11,9 @@ from marft.cli import main, prepare
 from marft.config import load_config
 from marft.trainer import Trainer, latest_checkpoint
 
-VOWEL_ENV = '''
-from marft.envs.base import TurnBasedEnv, Problem, Grade
-
-class Vowel(TurnBasedEnv):
-    """Reward 1 when the reply starts with a vowel (about 1 in 10 for the untrained tiny model)."""
-    def new_problem(self, rng, split, index):
-        return Problem("Say a word.", None)
-    def grade(self, problem, reply):
-        return Grade(reply.strip()[:1].lower() in tuple("aeiou"), True)
-'''
-
-
 @pytest.fixture
-def vowel_overrides(tiny_model_dir, tmp_path):
-    env = tmp_path / "vowel_env.py"
-    env.write_text(VOWEL_ENV)
+def vowel_overrides(tiny_model_dir, vowel_env_path, tmp_path):
+    env = vowel_env_path
     return [f"model.name={tiny_model_dir}", "model.dtype=float32", "model.device=cpu",
             "task.kind=custom", f"task.env={env}:Vowel", "task.options={}",
             "rollout.max_new_tokens=2", "rollout.episodes=32", "eval.problems=4",
