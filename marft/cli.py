@@ -42,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     sw.add_argument("sweep", help="sweep YAML file (see configs/sweep_paper_small.yaml)")
     sw.add_argument("--dry-run", action="store_true", help="list the runs and their state; run nothing")
     sw.add_argument("--parallel", type=int, metavar="N", help="runs at once (overrides the file's parallel:)")
+    sw.add_argument("--threads", type=int, metavar="N", help="torch threads per run (overrides the file's threads:)")
     sw.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
     rp = sub.add_parser("report", help="tables, curves and per-agent views from run folders")

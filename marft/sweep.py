@@ -247,6 +247,10 @@ def cmd_sweep(args) -> int:
         if args.parallel < 1:
             raise UserError(f"--parallel must be at least 1, got {args.parallel}")
         sweep.parallel = args.parallel
+    if args.threads is not None:
+        if args.threads < 0:
+            raise UserError(f"--threads must be 0 (the cores divided among the runs) or more, got {args.threads}")
+        sweep.threads = args.threads
     if args.dry_run:
         for run in sweep.runs:
             print(f"{run.name}  [{run_state(run.folder)}]  {' '.join(run.overrides)}")

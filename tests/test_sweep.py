@@ -174,3 +174,14 @@ def test_missing_sweep_file_and_dry_run(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "seed-0  [new]  seed=0" in out and "2 runs in" in out
     assert not (tmp_path / "out").exists()  # a dry run writes nothing
+
+
+def test_command_line_overrides_parallel_and_threads(tmp_path, monkeypatch):
+    import marft.sweep as sweep_module
+
+    path = write(tmp_path / "s.yaml", "output_dir: {}\nbase: {}\nparallel: 4\ngrid: {{seed: [0]}}\n".format(
+        tmp_path / "out", ROOT / "configs/duo_arithmetic.yaml"))
+    got = {}
+    monkeypatch.setattr(sweep_module, "run_sweep", lambda sweep, log: got.update(p=sweep.parallel, t=sweep.threads) or 0)
+    assert main(["sweep", str(path), "--parallel", "1", "--threads", "1"]) == 0
+    assert got == {"p": 1, "t": 1}
