@@ -191,6 +191,8 @@ class TrainConfig:
     """Held-out evaluation every n iterations (and at the end); 0 = only at the end."""
     save_every: int = 5
     """Checkpoint every n iterations (and at the end)."""
+    keep_checkpoints: int = 0
+    """Keep only the newest n checkpoints (older ones are deleted after each save); 0 = keep all."""
     max_bad_updates: int = 5
     """Stop the run (exit status 2, the last checkpoint kept) after this many policy updates in a row
     were skipped for non-finite log-probabilities, losses or gradients; 0 = never stop."""
@@ -382,6 +384,7 @@ def validate(cfg: RunConfig) -> None:
     _check(tr.algorithm != "grpo" or r.episodes % tr.group_size == 0,
            f"rollout.episodes ({r.episodes}) must be a multiple of train.group_size ({tr.group_size}) for grpo")
     _check(tr.logprob in ("sum", "mean", "word"), f"train.logprob must be sum, mean or word, got {tr.logprob!r}")
+    _check(tr.keep_checkpoints >= 0, f"train.keep_checkpoints must be 0 (keep all) or more, got {tr.keep_checkpoints}")
     for name in ("epochs", "minibatch_size", "micro_batch_size", "critic_epochs", "save_every"):
         _check(getattr(tr, name) >= 1, f"train.{name} must be at least 1, got {getattr(tr, name)}")
     for name in ("lr", "critic_lr", "clip", "max_grad_norm"):

@@ -470,6 +470,11 @@ class Trainer:
             shutil.rmtree(old)
         os.replace(tmp, final)
         _write_atomic(root / "latest", name)
+        keep = self.cfg.train.keep_checkpoints
+        if keep:
+            for old in sorted(root.glob("iter_*"))[:-keep]:
+                if old != final:
+                    shutil.rmtree(old, ignore_errors=True)
         return final
 
     def load(self, checkpoint: Path) -> None:

@@ -138,3 +138,11 @@ def test_ablation_and_baseline_runs(vowel_overrides, tmp_path):
     assert main(["train", "configs/duo_arithmetic.yaml", *vowel_overrides, "train.iterations=0", "eval.before=false",
                  f"output_dir={base}"]) == 0
     assert json.loads((base / "eval_final.json").read_text()) == json.loads((base / "eval_untrained.json").read_text())
+
+
+def test_keep_checkpoints_deletes_the_oldest(vowel_overrides, tmp_path):
+    run = tmp_path / "keep"
+    assert main(["train", "configs/duo_arithmetic.yaml", *vowel_overrides, "train.iterations=3", "train.save_every=1",
+                 "train.keep_checkpoints=2", "eval.problems=1", f"output_dir={run}"]) == 0
+    assert sorted(p.name for p in (run / "checkpoints").glob("iter_*")) == ["iter_000002", "iter_000003"]
+    assert latest_checkpoint(run).name == "iter_000003"
