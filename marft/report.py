@@ -42,7 +42,7 @@ class RunInfo:
     folder: Path
     labels: dict[str, str]
     seed: str
-    status: str  # complete | partial i/N | failed (...) | missing | not started
+    status: str  # complete | partial (i/N iterations) | failed (exit N) | not started | missing (...)
     final: dict | None = None
     untrained: dict | None = None
     without: dict[str, dict] = field(default_factory=dict)
@@ -98,7 +98,7 @@ def _load_run(folder: Path, labels: dict | None, status: str | None) -> RunInfo:
         labels = {"run": folder.name}
     run = RunInfo(folder, labels, seed if seed is not None else "?", "missing")
     if not folder.is_dir():
-        run.status = "missing" if not status or status == "pending" else status
+        run.status = "not started" if not status or status == "pending" else f"missing (the sweep recorded: {status})"
         return run
     run.final = _read_json(folder / "eval_final.json")
     run.untrained = _read_json(folder / "eval_untrained.json")

@@ -73,7 +73,7 @@ def test_known_numbers_in_known_table_out(sweep_dir):
     i = rows["ippo"]
     assert (i["runs_complete"], i["runs_planned"]) == (1, 2)
     assert i["final"]["std"] is None and i["final"]["ci95"] == [0.0, 1.0]  # one seed: the run's own interval
-    assert i["incomplete"] == [{"folder": str(sweep_dir / "i1"), "seed": "1", "status": "missing"}]
+    assert i["incomplete"] == [{"folder": str(sweep_dir / "i1"), "seed": "1", "status": "not started"}]
     g = rows["grpo"]
     assert g["final"] is None and g["runs_complete"] == 0
     assert [x["status"] for x in g["incomplete"]] == ["failed (exit 2)", "partial (2/5 iterations)"]
@@ -92,7 +92,7 @@ def test_report_command_writes_markdown_json_and_plots(sweep_dir, capsys):
     md = (out / "report.md").read_text()
     assert "| marft | 2/2 | 25.0 ± 0.0 | 0.0–74.0 | 62.5 ± 17.7 | 15.6–100.0 | +37.5 | 3.0 |" in md
     assert "| ippo | 1/2 ⚠ | 25.0 | 0.0–100.0 | 25.0 | 0.0–100.0 | +0.0 | 3.0 |" in md
-    assert f"- {sweep_dir / 'i1'} (seed 1): missing" in md
+    assert f"- {sweep_dir / 'i1'} (seed 1): not started" in md
     assert f"- {sweep_dir / 'g0'} (seed 0): failed (exit 2)" in md
     assert f"- {sweep_dir / 'g1'} (seed 1): partial (2/5 iterations)" in md
     assert "| marft | planner | 62.5 | 37.5 | +25.0 |" in md
