@@ -191,6 +191,12 @@ def build_report(runs: list[RunInfo]) -> dict:
             "without": without,
             "incomplete": [{"folder": str(r.folder), "seed": r.seed, "status": r.status} for r in members if r.final is None],
         })
+    # rows of the same task/team together, the untrained team first
+    firsts: dict[tuple, int] = {}
+    for i, r in enumerate(rows):
+        firsts.setdefault(tuple((k, v) for k, v in r["labels"].items() if k != "algorithm"), i)
+    rows.sort(key=lambda r: (firsts[tuple((k, v) for k, v in r["labels"].items() if k != "algorithm")],
+                             r["labels"].get("algorithm") != "untrained"))
     # runs without their own untrained evaluation (eval.before=false) compare with the group whose
     # algorithm label is "untrained" (a train.iterations=0 run) and whose other labels are the same
     baseline = {tuple((k, v) for k, v in r["labels"].items() if k != "algorithm"): r["final"]
