@@ -11,19 +11,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import VOWEL_ENV
 from marft.cli import main
 
 CONFIG = "configs/duo_arithmetic.yaml"
 
-ENVS = '''
-from marft.envs.base import TurnBasedEnv, Problem, Grade
-
-class Vowel(TurnBasedEnv):
-    def new_problem(self, rng, split, index):
-        return Problem("Say a word.", None)
-    def grade(self, problem, reply):
-        return Grade(reply.strip()[:1].lower() in tuple("aeiou"), True)
-
+ENVS = VOWEL_ENV + '''
 class NeverEnds(Vowel):
     def step(self, action):
         super().step(action)

@@ -13,19 +13,12 @@ import torch
 
 import marft.rollout
 from marft import losses
+from conftest import VOWEL_ENV
 from marft.cli import main, prepare
 from marft.config import load_config
 from marft.trainer import Trainer, latest_checkpoint
 
-ENVS = '''
-from marft.envs.base import TurnBasedEnv, Problem, Grade
-
-class Vowel(TurnBasedEnv):
-    def new_problem(self, rng, split, index):
-        return Problem("Say a word.", None)
-    def grade(self, problem, reply):
-        return Grade(reply.strip()[:1].lower() in tuple("aeiou"), True)
-
+ENVS = VOWEL_ENV + '''
 class Never(Vowel):
     def grade(self, problem, reply):
         return Grade(False, True, feedback="No.")
