@@ -184,8 +184,14 @@ def cmd_eval(args) -> int:
 
         t0 = time.perf_counter()
 
+        last = [0]
+
         def progress(done, total, tokens):
-            bar.update(task, completed=done, speed=f"{tokens / max(time.perf_counter() - t0, 1e-9):.0f} tok/s")
+            elapsed = max(time.perf_counter() - t0, 1e-9)
+            bar.update(task, completed=done, speed=f"{tokens / elapsed:.0f} tok/s")
+            if done != last[0] and not console.is_terminal:  # a log file gets one line per batch instead of a bar
+                last[0] = done
+                console.print(f"evaluating: {done}/{total} episodes, {tokens / elapsed:.0f} tok/s, {elapsed / 60:.1f} min")
 
         result = evaluate(cfg, team, models, make_env, num, progress)
     result["config"] = args.config

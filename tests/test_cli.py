@@ -28,8 +28,11 @@ def test_eval_prints_table_and_writes_json(tiny_overrides, tmp_path, capsys):
     out = tmp_path / "result.json"
     rc = main(["eval", "configs/duo_arithmetic.yaml", *tiny_overrides, f"eval.output={out}", "eval.samples=2"])
     assert rc == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "team accuracy" in printed and "planner: mean reply tokens" in printed
+    # not a terminal: progress comes as log lines, the last one when all 4 x 2 episodes are done
+    assert "evaluating: 8/8 episodes" in captured.err
     res = json.loads(out.read_text())
     assert (res["problems"], res["samples"]) == (4, 2)
     assert res["ci95"][0] <= res["accuracy"] <= res["ci95"][1]
