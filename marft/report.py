@@ -271,26 +271,34 @@ def plot_curves(runs: list[RunInfo], out: Path) -> list[str]:
         line_key = tuple((k, v) for k, v in r.labels.items() if k == "algorithm") or (("run", r.folder.name),)
         figures.setdefault(fig_key, {}).setdefault(line_key, []).append(r)
     files = []
+    styles = ["-", "--", ":", "-."]
     for fig_key, lines in figures.items():
-        fig, axs = plt.subplots(1, len(CURVES), figsize=(4.0 * len(CURVES), 3.4), dpi=80)
+        # 2 x 3 panels, the sixth holds the legend: colour = algorithm (or run), line style = agent
+        fig, axs = plt.subplots(2, 3, figsize=(12, 6.6), dpi=80)
+        axs = axs.ravel()
+        agent_style: dict[str, str] = {}
         for ax, (metric, title) in zip(axs, CURVES):
             for color, (line_key, members) in zip(plt.cm.tab10.colors, lines.items()):
-                name = ", ".join(v for _, v in line_key)
                 keys = sorted({k for r in members for m in r.metrics for k in m if k == metric
                                or k.endswith("/" + metric) or k.startswith(metric + "/")} - {"skipped/" + metric})
-                for style, k in zip(["-", "--", ":", "-."] * 4, keys):
+                for k in keys:
                     xs, ys = _seed_mean(members, k)
                     if xs:
                         agent = "/".join(x for x in k.split("/") if x != metric)  # planner/approx_kl, value_loss/planner
-                        ax.plot(xs, ys, style, color=color, label=f"{name} {agent}".strip())
+                        style = agent_style.setdefault(agent, styles[len(agent_style) % len(styles)]) if agent else "-"
+                        ax.plot(xs, ys, style, color=color, marker="o", markersize=3)
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("iteration")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.grid(alpha=0.3)
-            if ax.lines:
-                ax.legend(fontsize=7)
-            else:
+            if not ax.lines:
                 ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+        legend_ax = axs[len(CURVES)]
+        legend_ax.axis("off")
+        handles = [plt.Line2D([], [], color=c, label=", ".join(v for _, v in key)) for c, key in zip(plt.cm.tab10.colors, lines)]
+        handles += [plt.Line2D([], [], color="gray", linestyle=st, label=f"agent: {a}") for a, st in agent_style.items()]
+        legend_ax.legend(handles=handles, loc="center", fontsize=9, frameon=False,
+                         title="seed mean per iteration", title_fontsize=9)
         fig.suptitle(", ".join(f"{k} {v}" for k, v in fig_key) or "training curves", fontsize=11)
         fig.tight_layout()
         name = "curves_" + ("_".join(f"{k}-{v}" for k, v in fig_key) or "all") + ".png"

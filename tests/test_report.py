@@ -101,7 +101,7 @@ def test_report_command_writes_markdown_json_and_plots(sweep_dir, capsys):
     plots = sorted(out.glob("*.png"))
     assert [p.name for p in plots] == ["curves_all.png"]
     w, h = png_size(plots[0])
-    assert (w, h) == (1600, 272) and plots[0].stat().st_size < 300_000
+    assert (w, h) == (960, 528) and plots[0].stat().st_size < 300_000
     assert "![curves_all.png](curves_all.png)" in md
 
 
