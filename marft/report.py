@@ -206,7 +206,10 @@ def build_report(runs: list[RunInfo]) -> dict:
             r["untrained"] = baseline.get(tuple((k, v) for k, v in r["labels"].items() if k != "algorithm"))
             if r["final"] and r["untrained"]:
                 r["delta"] = r["final"]["mean"] - r["untrained"]["mean"]
-    return {"groups": rows, "runs": len(runs), "complete": sum(r.final is not None for r in runs)}
+    train_s = sum(m.get("seconds", 0.0) for r in runs for m in r.metrics)
+    eval_s = sum((e or {}).get("seconds", 0.0) for r in runs for e in (r.final, r.untrained, *r.without.values()))
+    return {"groups": rows, "runs": len(runs), "complete": sum(r.final is not None for r in runs),
+            "train_minutes": train_s / 60, "eval_minutes": eval_s / 60}
 
 
 def _pct(x) -> str:
@@ -226,7 +229,10 @@ def to_markdown(report: dict, plots: list[str]) -> str:
     axes = list(dict.fromkeys(k for r in rows for k in r["labels"]))
     lines = [f"# marft report", "",
              f"{report['complete']} of {report['runs']} runs complete. Accuracy on held-out problems in %: mean ± "
-             "standard deviation over seeds, and the 95% interval pooled over seeds (problems as the units).", ""]
+             "standard deviation over seeds, and the 95% interval pooled over seeds (problems as the units).",
+             f"Time in the runs: {report['train_minutes'] + report['eval_minutes']:.0f} min "
+             f"(training {report['train_minutes']:.0f}, evaluation {report['eval_minutes']:.0f}; the runs' own timings, "
+             "summed; model loading not included).", ""]
     head = [*axes, "runs", "untrained", "untrained 95% CI", "final", "final 95% CI", "change", "train min/run"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:

@@ -22,7 +22,7 @@ def make_run(folder, seed, final, untrained=None, iterations=3, metrics=None, wi
     (folder / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
 
     def result(per):
-        return {"accuracy": sum(per) / len(per), "ci95": [0.0, 1.0], "per_problem_success": per}
+        return {"accuracy": sum(per) / len(per), "ci95": [0.0, 1.0], "per_problem_success": per, "seconds": 30.0}
 
     if untrained is not None:
         (folder / "eval_untrained.json").write_text(json.dumps(result(untrained)))
@@ -78,6 +78,8 @@ def test_known_numbers_in_known_table_out(sweep_dir):
     assert g["final"] is None and g["runs_complete"] == 0
     assert [x["status"] for x in g["incomplete"]] == ["failed (exit 2)", "partial (2/5 iterations)"]
     assert report["runs"] == 6 and report["complete"] == 3
+    # 3 complete runs x 3 iterations x 60 s + the failed run's 10 s; 10 evaluations x 30 s
+    assert report["train_minutes"] == pytest.approx(9 + 10 / 60) and report["eval_minutes"] == pytest.approx(5.0)
 
 
 def png_size(path):
