@@ -19,11 +19,7 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
     """95% Wilson score interval of a binomial proportion."""
     if n == 0:
         return 0.0, 1.0
-    p = successes / n
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
+    return _wilson(successes / n, n, z)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -37,18 +33,30 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def accuracy_interval(success: torch.Tensor, z: float = 1.96) -> tuple[float, float, float]:
-    """Mean accuracy and 95% interval from a [problems, samples] 0/1 table.
+    """Mean accuracy and 95% interval from a [problems, samples] table of 0/1 (or per-sample scores).
 
-    One sample per problem: Wilson interval. Several: the problems are the independent units, so
-    the interval is mean +- z * standard error of the per-problem means (clipped to [0, 1])."""
+    One sample per problem: Wilson interval. Several: the problems are the independent units. The
+    standard error of the per-problem means gives an effective sample size, n_eff = p(1 - p) / se^2
+    (the number of independent 0/1 draws with the same standard error, at most problems x samples),
+    and the interval is Wilson's at n_eff. Where the per-problem means carry no spread to estimate it
+    from (all 0 or all 1), n_eff is the number of problems. Unlike mean +- z se, the interval is never
+    a single point and stays inside [0, 1]."""
     n, k = success.shape
     mean = float(success.float().mean())
     if k == 1:
         lo, hi = wilson_interval(int(success.sum()), n, z)
         return mean, lo, hi
-    per_problem = success.float().mean(1)
-    se = float(per_problem.std(unbiased=True)) / math.sqrt(n) if n > 1 else 0.5
-    return mean, max(0.0, mean - z * se), min(1.0, mean + z * se)
+    se = float(success.float().mean(1).std(unbiased=True)) / math.sqrt(n) if n > 1 else 0.0
+    n_eff = min(mean * (1 - mean) / se**2, n * k) if se > 0 and 0 < mean < 1 else float(n)
+    lo, hi = _wilson(mean, n_eff, z)
+    return mean, lo, hi
+
+
+def _wilson(p: float, n: float, z: float) -> tuple[float, float]:
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progress=None) -> dict:

@@ -9,8 +9,8 @@ for other runs task, team, algorithm (``-ps`` with a shared adapter). Per group:
 
 - **final**: mean and sample standard deviation over seeds of the held-out accuracy, and a 95%
   interval that pools every seed's problems, with the problems as the independent units (the
-  same estimator as ``marft eval`` with several samples: mean +- 1.96 standard errors of the
-  per-problem means over seeds; with one seed, that run's own interval from ``marft eval``);
+  same estimator as ``marft eval`` with several samples, ``evaluate.accuracy_interval``, on the
+  problems x seeds table; with one seed, that run's own interval from ``marft eval``);
 - **untrained**: the same for ``eval_untrained.json`` (the team before training, same problems),
   or, for runs that skipped it (``eval.before=false``), the final score of the group labelled
   ``algorithm: untrained`` (a ``train.iterations=0`` run) with the same other labels;
@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from .errors import UserError
+from .evaluate import accuracy_interval
 
 CURVES = [("reward", "reward (train)"), ("accuracy", "team accuracy (train)"),
           ("approx_kl", "approx. KL per agent"), ("entropy", "entropy per agent"), ("value_loss", "value loss")]
@@ -159,9 +160,7 @@ def _summary(results: list[dict]) -> dict | None:
         out["ci95"] = results[0].get("ci95")  # marft eval's own interval
     elif all(per) and len({len(x) for x in per}) == 1:
         table = torch.tensor(per, dtype=torch.float).T  # [problems, seeds]: problems are the units
-        mean, per_problem = float(table.mean()), table.mean(1)
-        se = float(per_problem.std(unbiased=True)) / math.sqrt(len(per_problem)) if len(per_problem) > 1 else 0.5
-        out["ci95"] = [max(0.0, mean - 1.96 * se), min(1.0, mean + 1.96 * se)]
+        out["ci95"] = list(accuracy_interval(table)[1:])
     else:
         out["ci95"] = None  # the seeds were evaluated on different problem sets
     return out
@@ -186,7 +185,7 @@ def build_report(runs: list[RunInfo]) -> dict:
         rows.append({
             "labels": dict(key), "runs_complete": len(done), "runs_planned": len(members),
             "final": final, "untrained": untrained,
-            "delta": (final["mean"] - untrained["mean"]) if final and untrained else None,
+            "delta": (final["mean"] - untrained["mean"]) if final and untrained and dict(key).get("algorithm") != "untrained" else None,
             "train_minutes": statistics.fmean(minutes) if minutes else None,
             "without": without,
             "incomplete": [{"folder": str(r.folder), "seed": r.seed, "status": r.status} for r in members if r.final is None],

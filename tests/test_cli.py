@@ -18,10 +18,13 @@ def test_wilson_interval_hand_values():
 
 
 def test_accuracy_interval_clusters_samples_by_problem():
-    # per-problem means 1, .5, .5, 0: mean .5, sd .4082, se .2041, half-width 1.96 * se = .4001
+    # per-problem means 1, .5, .5, 0: mean .5, sd .4082, se .2041 -> n_eff = .25 / .2041^2 = 6;
+    # Wilson at p .5, n 6: half-width 1.96 sqrt(.25/6 + 1.96^2/144) / (1 + 1.96^2/6) = .3124
     table = torch.tensor([[1, 1], [1, 0], [0, 1], [0, 0]])
     mean, lo, hi = accuracy_interval(table)
-    assert mean == 0.5 and lo == pytest.approx(0.0999, abs=1e-3) and hi == pytest.approx(0.9001, abs=1e-3)
+    assert mean == 0.5 and lo == pytest.approx(0.1876, abs=1e-4) and hi == pytest.approx(0.8124, abs=1e-4)
+    # nothing solved: not the point [0, 0] but Wilson's 0 of 4 problems, [0, .4899]
+    assert accuracy_interval(torch.zeros(4, 2)) == (0.0, 0.0, pytest.approx(0.4899, abs=1e-4))
 
 
 def test_eval_prints_table_and_writes_json(tiny_overrides, tmp_path, capsys):

@@ -63,10 +63,12 @@ def test_known_numbers_in_known_table_out(sweep_dir):
     assert m["runs_complete"] == m["runs_planned"] == 2
     assert m["final"]["mean"] == pytest.approx(0.625)
     assert m["final"]["std"] == pytest.approx(0.1767767, abs=1e-6)  # stdev of 0.5 and 0.75
-    # pooled: per-problem means over seeds 1, .5, 1, 0 -> sd .4787, se .2394, 0.625 -+ 0.4692 (clipped at 1)
-    assert m["final"]["ci95"] == pytest.approx([0.15582, 1.0], abs=1e-4)
+    # pooled: per-problem means over seeds 1, .5, 1, 0 -> sd .4787, se .2394, n_eff = .625 * .375 / se^2
+    # = 4.091; Wilson at p .625, n 4.091: centre .5645, half-width .3423
+    assert m["final"]["ci95"] == pytest.approx([0.22216, 0.90676], abs=1e-4)
     assert m["untrained"]["mean"] == pytest.approx(0.25) and m["untrained"]["std"] == 0.0
-    assert m["untrained"]["ci95"] == pytest.approx([0.0, 0.74], abs=1e-6)  # sd .5, se .25
+    # per-problem 0, 0, 1, 0: sd .5, se .25, n_eff 3; Wilson at p .25, n 3
+    assert m["untrained"]["ci95"] == pytest.approx([0.03684, 0.74391], abs=1e-4)
     assert m["delta"] == pytest.approx(0.375)
     assert m["train_minutes"] == pytest.approx(3.0)
     assert m["without"]["planner"] == {"with": pytest.approx(0.625), "without": pytest.approx(0.375), "seeds": 2}
@@ -92,7 +94,7 @@ def test_report_command_writes_markdown_json_and_plots(sweep_dir, capsys):
     out = sweep_dir / "out"
     assert main(["report", str(sweep_dir), "--out", str(out)]) == 0
     md = (out / "report.md").read_text()
-    assert "| marft | 2/2 | 25.0 ± 0.0 | 0.0–74.0 | 62.5 ± 17.7 | 15.6–100.0 | +37.5 | 3.0 |" in md
+    assert "| marft | 2/2 | 25.0 ± 0.0 | 3.7–74.4 | 62.5 ± 17.7 | 22.2–90.7 | +37.5 | 3.0 |" in md
     assert "| ippo | 1/2 ⚠ | 25.0 | 0.0–100.0 | 25.0 | 0.0–100.0 | +0.0 | 3.0 |" in md
     assert f"- {sweep_dir / 'i1'} (seed 1): not started" in md
     assert f"- {sweep_dir / 'g0'} (seed 0): failed (exit 2)" in md
