@@ -206,7 +206,9 @@ def build_report(runs: list[RunInfo]) -> dict:
             if r["final"] and r["untrained"]:
                 r["delta"] = r["final"]["mean"] - r["untrained"]["mean"]
     train_s = sum(m.get("seconds", 0.0) for r in runs for m in r.metrics)
-    eval_s = sum((e or {}).get("seconds", 0.0) for r in runs for e in (r.final, r.untrained, *r.without.values()))
+    # a train.iterations=0 run's final evaluation is a copy of its untrained one: count it once
+    eval_s = sum((e or {}).get("seconds", 0.0) for r in runs
+                 for e in (r.final, None if r.untrained == r.final else r.untrained, *r.without.values()))
     return {"groups": rows, "runs": len(runs), "complete": sum(r.final is not None for r in runs),
             "train_minutes": train_s / 60, "eval_minutes": eval_s / 60}
 

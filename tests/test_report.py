@@ -136,3 +136,10 @@ def test_untrained_row_is_the_baseline_of_its_group(tmp_path):
     rows = {(r["labels"]["team"], r["labels"]["algorithm"]): r for r in build_report(find_runs([str(root)]))["groups"]}
     assert rows[("2", "marft")]["untrained"]["mean"] == 0.25 and rows[("2", "marft")]["delta"] == pytest.approx(0.5)
     assert rows[("3", "marft")]["untrained"] is None and rows[("3", "marft")]["delta"] is None  # no baseline for team 3
+
+
+def test_a_baseline_run_counts_its_one_evaluation_once(tmp_path):
+    # train.iterations=0: eval_final.json is a copy of eval_untrained.json (30 s each in make_run)
+    make_run(tmp_path / "u0", 0, final=[0, 1], untrained=[0, 1], iterations=0, metrics=[])
+    report = build_report(find_runs([str(tmp_path)]))
+    assert report["eval_minutes"] == pytest.approx(0.5) and report["train_minutes"] == 0
