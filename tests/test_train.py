@@ -39,9 +39,11 @@ def same(a, b):
 @pytest.mark.parametrize("share", [False, True])
 def test_team_learns_a_trivial_task(vowel_overrides, algorithm, share):
     tr = trainer_for(vowel_overrides + [f"train.algorithm={algorithm}", f"team.share_adapter={share}"])
-    rewards = [tr.iteration_step()["reward"] for _ in range(12)]
-    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
-    assert last >= first + 0.15, rewards
+    # 16 iterations: the slowest variant (token-level MARFT with one shared adapter) gains about
+    # 0.35 here; 12 iterations left it within 0.15 of its start on some machines
+    rewards = [tr.iteration_step()["reward"] for _ in range(16)]
+    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
+    assert last >= first + 0.25, rewards
 
 
 def test_agent_by_agent_freezes_the_others(vowel_overrides):
