@@ -25,7 +25,9 @@ skipped; one with a checkpoint is resumed with ``marft train --resume``; any oth
 So an interrupted sweep, run again, continues where it stopped. ``<output_dir>/sweep.json`` lists
 every planned run, its labels and its status; ``marft report <output_dir>`` reads it (runs not
 finished are reported as such). A run that fails is recorded and the sweep goes on; the sweep then
-exits with status 1. Each run's output goes to ``log.txt`` in its folder.
+exits with status 1. Each run's output goes to ``log.txt`` in its folder; its ``sweep_run.json``
+holds its labels, overrides and ``seconds``, the wall time of its attempts summed across sweeps (an
+attempt killed with the sweep process is not counted).
 """
 from __future__ import annotations
 
@@ -194,6 +196,7 @@ def run_sweep(sweep: Sweep, log=print, execute=None) -> int:
     threads = sweep.threads or max(1, (os.cpu_count() or 1) // sweep.parallel)
     for run in sweep.runs:
         run.status = "complete" if run_state(run.folder) == "complete" else "pending"
+        run.seconds = _recorded_seconds(run.folder)  # wall time of earlier attempts
     _write_plan(sweep)
     todo = [r for r in sweep.runs if r.status != "complete"]
     log(f"sweep {sweep.path}: {len(sweep.runs)} runs, {len(sweep.runs) - len(todo)} complete, {len(todo)} to run "
@@ -201,21 +204,27 @@ def run_sweep(sweep: Sweep, log=print, execute=None) -> int:
 
     def one(run: Run) -> None:
         run.folder.mkdir(parents=True, exist_ok=True)
-        (run.folder / "sweep_run.json").write_text(json.dumps({"name": run.name, "labels": run.labels,
-                                                               "overrides": [*sweep.common, *run.overrides]}, indent=2))
+
+        def record():  # seconds: wall time of every attempt of this run, summed
+            (run.folder / "sweep_run.json").write_text(json.dumps(
+                {"name": run.name, "labels": run.labels, "overrides": [*sweep.common, *run.overrides],
+                 "seconds": round(run.seconds, 1)}, indent=2))
+
+        record()
         cmd = _command(sweep, run, threads)
         how = "resuming" if "--resume" in cmd else "starting"
         log(f"{how} {run.name}")
-        t0 = time.perf_counter()
+        t0, before = time.perf_counter(), run.seconds
         rc = execute(cmd, run.folder / "log.txt")
-        run.seconds = time.perf_counter() - t0
+        run.seconds = before + time.perf_counter() - t0
+        record()
         if rc in (130, -2):  # Ctrl-C reached the run too: it saved a checkpoint; stop the sweep
             run.status = "interrupted"
             _write_plan(sweep)
             raise KeyboardInterrupt
         if rc == 0 and run_state(run.folder) == "complete":
             run.status = "complete"
-            log(f"done {run.name} ({run.seconds / 60:.1f} min)")
+            log(f"done {run.name} ({(run.seconds - before) / 60:.1f} min)")
         else:
             run.status = f"failed (exit {rc})"
             log(f"FAILED {run.name} (exit {rc}); see {run.folder / 'log.txt'}")
@@ -229,9 +238,17 @@ def run_sweep(sweep: Sweep, log=print, execute=None) -> int:
             list(pool.map(one, todo))
     failed = [r for r in sweep.runs if r.status != "complete"]
     log(f"sweep finished: {len(sweep.runs) - len(failed)} of {len(sweep.runs)} runs complete"
+        f" ({sum(r.seconds for r in sweep.runs) / 60:.0f} min of run wall time in all attempts)"
         + (f"; failed: {', '.join(r.name for r in failed)}" if failed else "")
         + f". Report: marft report {sweep.output_dir}")
     return 1 if failed else 0
+
+
+def _recorded_seconds(folder: Path) -> float:
+    try:
+        return float(json.loads((folder / "sweep_run.json").read_text()).get("seconds", 0.0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0.0
 
 
 def _execute(cmd: list[str], log_path: Path) -> int:

@@ -70,10 +70,11 @@ def test_bad_sweep_files_fail_before_running(tmp_path, monkeypatch, capsys, text
     assert not Path(ROOT / "o").exists()
 
 
-def fake_executor(calls, fail=()):
+def fake_executor(calls, fail=(), delay=0.0):
     """Stands in for ``marft train``: a new run gets a checkpoint then eval_final.json; runs named
-    in ``fail`` exit 1 after writing their checkpoint."""
+    in ``fail`` exit 1 after writing their checkpoint. Each takes ``delay`` seconds."""
     def execute(cmd, log_path):
+        time.sleep(delay)
         folder = Path(cmd[cmd.index("--resume") + 1]) if "--resume" in cmd else \
             Path(next(a for a in cmd if a.startswith("output_dir=")).split("=", 1)[1])
         calls.append((folder.name, "--resume" in cmd))
@@ -91,17 +92,23 @@ def test_complete_runs_are_skipped_checkpointed_ones_resumed_failed_ones_retried
         tmp_path / "out", ROOT / "configs/duo_arithmetic.yaml"))
     sweep = load_sweep(path)
     calls = []
-    assert run_sweep(sweep, log=lambda m: None, execute=fake_executor(calls, fail={"seed-1"})) == 1
+    assert run_sweep(sweep, log=lambda m: None, execute=fake_executor(calls, fail={"seed-1"}, delay=0.2)) == 1
     assert calls == [("seed-0", False), ("seed-1", False), ("seed-2", False)]
     plan = json.loads((tmp_path / "out" / "sweep.json").read_text())
     assert [r["status"] for r in plan["runs"]] == ["complete", "failed (exit 1)", "complete"]
     assert json.loads((tmp_path / "out" / "seed-1" / "sweep_run.json").read_text())["labels"] == {"seed": "1"}
+    first = [r["seconds"] for r in plan["runs"]]
     # run again: only the failed run goes, and it resumes from its checkpoint
     calls.clear()
-    assert run_sweep(load_sweep(path), log=lambda m: None, execute=fake_executor(calls)) == 0
+    assert run_sweep(load_sweep(path), log=lambda m: None, execute=fake_executor(calls, delay=0.2)) == 0
     assert calls == [("seed-1", True)]
     plan = json.loads((tmp_path / "out" / "sweep.json").read_text())
     assert [r["status"] for r in plan["runs"]] == ["complete"] * 3
+    # each run's wall time is kept across sweeps and summed over its attempts (two for seed-1)
+    seconds = [r["seconds"] for r in plan["runs"]]
+    assert min(first) >= 0.2 and seconds[0] == first[0] and seconds[2] == first[2]
+    assert seconds[1] >= first[1] + 0.2
+    assert json.loads((tmp_path / "out" / "seed-1" / "sweep_run.json").read_text())["seconds"] == seconds[1]
     calls.clear()
     assert run_sweep(load_sweep(path), log=lambda m: None, execute=fake_executor(calls)) == 0
     assert calls == []
