@@ -184,13 +184,14 @@ def cmd_eval(args) -> int:
 
         t0 = time.perf_counter()
 
-        last = [0]
+        last = 0
 
         def progress(done, total, tokens):
+            nonlocal last
             elapsed = max(time.perf_counter() - t0, 1e-9)
             bar.update(task, completed=done, speed=f"{tokens / elapsed:.0f} tok/s")
-            if done != last[0] and not console.is_terminal:  # a log file gets one line per batch instead of a bar
-                last[0] = done
+            if done != last and not console.is_terminal:  # a log file gets one line per batch instead of a bar
+                last = done
                 console.print(f"evaluating: {done}/{total} episodes, {tokens / elapsed:.0f} tok/s, {elapsed / 60:.1f} min")
 
         result = evaluate(cfg, team, models, make_env, num, progress)
