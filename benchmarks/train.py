@@ -1,17 +1,22 @@
-"""Training speed: the time split of one MARFT iteration and the learner's tokens/s.
+"""Training speed against the machine's own limit: one MARFT iteration, today's path beside the old.
 
     .venv/bin/python benchmarks/train.py                    # default duo config, embedded model
     .venv/bin/python benchmarks/train.py train.algorithm=marft-token
+    .venv/bin/python benchmarks/train.py --no-ablations     # skip the learner ablation rows
 
-Runs one warm-up iteration and then one measured iteration of the config, and prints where its
-time goes (generation, prompts and scoring, critic features, critic update, policy update). Then,
-on that iteration's batch, it times the learner: teacher-forced forward passes without gradients
-(what computing the behaviour log-probabilities costs) against forward + backward through the
-policy with LoRA (what an update costs), in tokens (prompt + reply) per second, and their ratio.
+Prints the CPU, the dtype and the matrix-multiply rate of this machine (marft.flops), then runs one
+warm-up iteration and, from the same state and seed (so on nearly the same batch), one iteration
+with the old path (``train.fast=false``: padded passes, every prompt prefix recomputed, float32
+log-softmax over the vocabulary, a separate behaviour-log-prob pass) and
+one with the new, each part's seconds, share and MFU side by side. Then, on the new iteration's
+batch, the policy update alone with each of the fast path's changes switched off in turn (what
+each one buys). Last the process's peak resident memory.
 """
 from __future__ import annotations
 
 import argparse
+import copy
+import platform
 import resource
 import sys
 import time
@@ -21,56 +26,125 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from marft import flops, packing  # noqa: E402
 from marft.cli import prepare  # noqa: E402
 from marft.config import load_config  # noqa: E402
 from marft.trainer import Trainer  # noqa: E402
+
+PARTS = [("rollout (generation)", "generation_s", "mfu/rollout"),
+         ("critic features", "critic_features_s", "mfu/critic_features"),
+         ("critic update", "critic_update_s", None),
+         ("behaviour log-probs", "behaviour_logprobs_s", "mfu/behaviour_logprobs"),
+         ("learner forward + backward", "learner_s", "mfu/learner")]
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def state(tr: Trainer) -> dict:
+    return copy.deepcopy({"adapters": {a: tr.models.adapter_state(a) for a in tr.team.adapters},
+                          "heads": {k: h.state_dict() for k, h in tr.heads.items()},
+                          "popt": {k: o.state_dict() for k, o in tr.policy_opt.items()},
+                          "copt": {k: o.state_dict() for k, o in tr.critic_opt.items()},
+                          "iteration": tr.iteration})
+
+
+def restore(tr: Trainer, s: dict) -> None:
+    for a, w in s["adapters"].items():
+        tr.models.load_adapter_state(a, copy.deepcopy(w))
+    for k, h in tr.heads.items():
+        h.load_state_dict(s["heads"][k])
+        tr.critic_opt[k].load_state_dict(copy.deepcopy(s["copt"][k]))
+    for k, o in tr.policy_opt.items():
+        o.load_state_dict(copy.deepcopy(s["popt"][k]))
+    tr.iteration = s["iteration"]
+
+
+def policy_update_seconds(tr: Trainer, out, targets, s: dict) -> float:
+    restore(tr, s)
+    t0 = time.perf_counter()
+    tr._update_policy(out, targets, list(tr.team.names))
+    return time.perf_counter() - t0
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "configs/duo_arithmetic.yaml"))
+    p.add_argument("--no-ablations", action="store_true")
+    p.add_argument("--new-only", action="store_true", help="only the new path, two iterations: its own peak memory")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     cfg = load_config(args.config, ["threads=2", "output_dir=/tmp/marft-bench-train", *args.overrides])
     team, models, make_env = prepare(cfg)
-    trainer = Trainer(cfg, team, models, make_env, log=lambda m: None)
-    trainer.iteration_step()  # warm-up
-    m = trainer.iteration_step()
-    total = m["seconds"]
-    parts = [("generation", m["generation_s"]), ("prompts and scoring", m["rollout_s"] - m["generation_s"]),
-             ("critic features", m["critic_features_s"]), ("critic update", m["critic_update_s"]),
-             ("policy update (recompute log-probs + forward/backward)", m["policy_update_s"])]
+    tr = Trainer(cfg, team, models, make_env, log=lambda m: None)
+    base = tr._base()
+    dtype = next(base.parameters()).dtype
+    rate = flops.machine_rate(base)
+    print(f"# {cpu_name()}, {torch.get_num_threads()} threads, model dtype {str(dtype).replace('torch.', '')}; "
+          f"matrix rate (2048^3 matmul, best of 5) {rate / 1e9:.0f} GFLOP/s")
+    tr.iteration_step()  # warm-up
+    if args.new_only:
+        m = tr.iteration_step()
+        print(f"new path: {m['seconds']:.1f} s per iteration, MFU {100 * m['mfu/iteration']:.1f}%, "
+              f"{m['tokens_per_s']:.1f} generated tokens/s; peak resident memory "
+              f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+        return
+    s = state(tr)
+    runs = {}
+    for fast in (False, True):
+        restore(tr, s)
+        tr.cfg.train.fast = fast
+        runs[fast] = tr.iteration_step()
+    old, new = runs[False], runs[True]
     print(f"# one iteration: {cfg.train.algorithm}, team {' -> '.join(team.names)}, {cfg.rollout.episodes} episodes, "
-          f"<= {cfg.rollout.max_new_tokens} new tokens, {m['tokens']} generated tokens, {torch.get_num_threads()} threads")
-    print("| part | seconds | share |")
-    print("|---|---|---|")
-    for name, s in parts:
-        print(f"| {name} | {s:.1f} | {100 * s / total:.0f}% |")
-    print(f"| **total** | **{total:.1f}** | end to end {m['tokens_per_s']:.1f} generated tokens/s |")
+          f"<= {cfg.rollout.max_new_tokens} new tokens; old path {old['tokens']} generated tokens, new {new['tokens']}")
+    print("| part | old s | old share | old MFU | new s | new share | new MFU | speed-up |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, key, mkey in PARTS:
+        o, n = old[key], new[key]
+        mo = f"{100 * old[mkey]:.1f}%" if mkey else "-"
+        mn = f"{100 * new[mkey]:.1f}%" if mkey else "-"
+        print(f"| {name} | {o:.1f} | {100 * o / old['seconds']:.0f}% | {mo} | {n:.1f} | {100 * n / new['seconds']:.0f}% | {mn} | "
+              f"{o / max(n, 1e-9):.1f}x |")
+    print(f"| **whole iteration** | **{old['seconds']:.1f}** | | {100 * old['mfu/iteration']:.1f}% | **{new['seconds']:.1f}** | | "
+          f"{100 * new['mfu/iteration']:.1f}% | **{old['seconds'] / new['seconds']:.1f}x** |")
+    print(f"end to end: old {old['tokens_per_s']:.1f}, new {new['tokens_per_s']:.1f} generated tokens/s")
 
-    out = trainer._rollout(99)
-    rows = [(i, r) for i, t in enumerate(out.turns) for r in range(len(t.episodes))]
-    tokens = int(sum(t.prompt_mask.sum() + t.response_mask.sum() for t in out.turns))
-    t0 = time.perf_counter()
-    old = trainer._old_logprobs(out, rows)
-    fwd_s = time.perf_counter() - t0
-    targets = trainer._targets(out)
-    adv = trainer._normalised_advantages(out, targets)
-    t0 = time.perf_counter()
-    mb = cfg.train.minibatch_size
-    for lo in range(0, len(rows), mb):
-        trainer._accumulate(out, rows[lo:lo + mb], old, adv, len(rows[lo:lo + mb]))
-    fwd_bwd_s = time.perf_counter() - t0
+    if not args.no_ablations:
+        out = tr._rollout(s["iteration"])
+        targets = tr._targets(out)
+        rows = sum(len(t.episodes) for t in out.turns)
+        tok = int(sum(t.prompt_mask.sum() + t.response_mask.sum() for t in out.turns))
+        print()
+        print(f"# policy update alone on one batch ({rows} replies, {tok} prompt + reply tokens), one change off at a time")
+        print("| learner | seconds | vs plain |")
+        print("|---|---|---|")
+        tr.cfg.train.fast = False
+        plain = policy_update_seconds(tr, out, targets, s)
+        print(f"| plain (train.fast=false) | {plain:.1f} | 1.0x |")
+        tr.cfg.train.fast = True
+        ablations = [("fast (all changes)", {}),
+                     ("fast without the shared prefix", {"SHARE_PREFIX": False}),
+                     ("fast without the fused log-prob/entropy pass", {"FUSED": False}),
+                     ("fast without the first minibatch's behaviour log-probs", {"REUSE_FIRST": False}),
+                     ("fast without eager attention (flash-attention kernel)", {"EAGER_ON_CPU": False})]
+        for label, flags in ablations:
+            saved = {k: getattr(packing, k) for k in flags}
+            for k, v in flags.items():
+                setattr(packing, k, v)
+            sec = policy_update_seconds(tr, out, targets, s)
+            for k, v in saved.items():
+                setattr(packing, k, v)
+            print(f"| {label} | {sec:.1f} | {plain / sec:.1f}x |")
     print()
-    print(f"# learner on {len(rows)} replies, {tokens} tokens (prompt + reply), micro-batch {cfg.train.micro_batch_size}")
-    print("| learner pass | seconds | tokens/s |")
-    print("|---|---|---|")
-    print(f"| forward only, no gradients (behaviour log-probs) | {fwd_s:.1f} | {tokens / fwd_s:.0f} |")
-    print(f"| forward + backward with LoRA, entropy{' + KL' if cfg.train.kl_coef else ''} | {fwd_bwd_s:.1f} | {tokens / fwd_bwd_s:.0f} |")
-    print(f"| ratio forward+backward / forward | {fwd_bwd_s / fwd_s:.2f}x | |")
-    print()
-    print(f"peak resident memory of this process (model, two adapters, critic, optimisers, learner): "
-          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+    print(f"peak resident memory of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
 
 
 if __name__ == "__main__":

@@ -163,8 +163,16 @@ class TrainConfig:
     """Passes over each batch per iteration."""
     minibatch_size: int = 16
     """Replies per optimiser step (per agent)."""
-    micro_batch_size: int = 8
-    """Replies per forward/backward pass; gradients accumulate up to ``minibatch_size``."""
+    micro_batch_size: int = 64
+    """At most this many replies per forward/backward pass; gradients accumulate up to ``minibatch_size``."""
+    micro_batch_tokens: int = 2048
+    """``fast``: at most this many tokens per forward/backward pass (rows x the longest row, prompt
+    + reply; rows of similar length are grouped). Bounds the learner's activation memory."""
+    fast: bool = True
+    """The learner's packed passes (``marft/packing.py``: no padding, shared prompt prefix once,
+    log-probabilities and entropy without a float32 vocabulary tensor, behaviour log-probabilities of
+    the first minibatch taken from its own pass). ``false``: the plain padded passes, kept to measure
+    against (``benchmarks/train.py``)."""
     lr: float = 5e-5
     """Policy (LoRA) learning rate, AdamW per adapter."""
     critic_lr: float = 1e-4
@@ -385,7 +393,7 @@ def validate(cfg: RunConfig) -> None:
            f"rollout.episodes ({r.episodes}) must be a multiple of train.group_size ({tr.group_size}) for grpo")
     _check(tr.logprob in ("sum", "mean", "word"), f"train.logprob must be sum, mean or word, got {tr.logprob!r}")
     _check(tr.keep_checkpoints >= 0, f"train.keep_checkpoints must be 0 (keep all) or more, got {tr.keep_checkpoints}")
-    for name in ("epochs", "minibatch_size", "micro_batch_size", "critic_epochs", "save_every"):
+    for name in ("epochs", "minibatch_size", "micro_batch_size", "micro_batch_tokens", "critic_epochs", "save_every"):
         _check(getattr(tr, name) >= 1, f"train.{name} must be at least 1, got {getattr(tr, name)}")
     for name in ("lr", "critic_lr", "clip", "max_grad_norm"):
         _check(getattr(tr, name) > 0, f"train.{name} must be positive, got {getattr(tr, name)}")

@@ -26,8 +26,17 @@ class ValueHead(nn.Module):
         return self.net(features.float()).squeeze(-1)
 
 
-def _last_hidden(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _last_hidden(model, ids: torch.Tensor, mask: torch.Tensor, work=None) -> torch.Tensor:
+    """Last hidden states [b, L, H]; adds the needed work (unpadded tokens) to ``work``
+    (a :class:`marft.packing.Work`) when given."""
+    from .flops import causal_context
     from .generation import _positions
+
+    if work is not None:
+        n = mask.sum(1)
+        work.tokens += float(n.sum())
+        work.context += causal_context(n)
+        work.rows += len(n)
 
     out = model(input_ids=ids, attention_mask=mask.long(), position_ids=_positions(mask.long()),
                 output_hidden_states=True, logits_to_keep=1)
@@ -35,7 +44,7 @@ def _last_hidden(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def state_features(models, agent: str, texts: list[str], batch: int = 16, max_tokens: int = 2048) -> torch.Tensor:
+def state_features(models, agent: str, texts: list[str], batch: int = 16, max_tokens: int = 2048, work=None) -> torch.Tensor:
     """[b, H] features of global-state texts: the base model's last hidden state at the last token
     (adapters disabled). Texts are left-truncated to ``max_tokens``."""
     with models.reference(agent) as (model, tok):
@@ -44,25 +53,25 @@ def state_features(models, agent: str, texts: list[str], batch: int = 16, max_to
         for i in range(0, len(texts), batch):
             enc = tok(texts[i:i + batch], return_tensors="pt", padding=True, truncation=True,
                       max_length=max_tokens, add_special_tokens=False)
-            h = _last_hidden(model, enc["input_ids"].to(device), enc["attention_mask"].to(device).bool())
+            h = _last_hidden(model, enc["input_ids"].to(device), enc["attention_mask"].to(device).bool(), work)
             feats.append(h[:, -1].float().cpu())  # left padding: the last position is the last token
         return torch.cat(feats) if feats else torch.zeros(0, model.config.hidden_size)
 
 
 @torch.no_grad()
 def prompt_features(models, agent: str, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                    batch: int = 16) -> torch.Tensor:
+                    batch: int = 16, work=None) -> torch.Tensor:
     """[b, H] features of an agent's own observation (its left-padded prompt), for IPPO."""
     with models.reference(agent) as (model, _):
         device = next(model.parameters()).device
-        feats = [_last_hidden(model, prompt_ids[i:i + batch].to(device), prompt_mask[i:i + batch].to(device))[:, -1].float().cpu()
+        feats = [_last_hidden(model, prompt_ids[i:i + batch].to(device), prompt_mask[i:i + batch].to(device), work)[:, -1].float().cpu()
                  for i in range(0, len(prompt_ids), batch)]
         return torch.cat(feats)
 
 
 @torch.no_grad()
 def token_features(models, agent: str, texts: list[str], response_ids: torch.Tensor, response_mask: torch.Tensor,
-                   batch: int = 8, max_tokens: int = 2048) -> torch.Tensor:
+                   batch: int = 8, max_tokens: int = 2048, work=None) -> torch.Tensor:
     """[b, R, H] features before each generated token: the state text followed by the reply so
     far. Position j is the hidden state after the state and reply tokens < j."""
     with models.reference(agent) as (model, tok):
@@ -74,7 +83,7 @@ def token_features(models, agent: str, texts: list[str], response_ids: torch.Ten
                       max_length=max_tokens, add_special_tokens=False)
             ids = torch.cat([enc["input_ids"], response_ids[i:i + batch]], 1).to(device)
             mask = torch.cat([enc["attention_mask"].bool(), response_mask[i:i + batch]], 1).to(device)
-            h = _last_hidden(model, ids, mask)
+            h = _last_hidden(model, ids, mask, work)
             P = enc["input_ids"].shape[1]
             feats.append(h[:, P - 1:P - 1 + R].float().cpu())
         return torch.cat(feats)

@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 
 from .envs.base import TeamEnv
+from .flops import causal_context, model_shape
 from .generation import Sampling, generate
 from .models import TeamModel, stop_token_ids
 from .team import Team, agent_messages
@@ -66,6 +67,7 @@ class Rollout:
     gen_seconds: float = 0.0  # of which in generation
     infos: list[dict] = field(default_factory=list)  # the last info of each episode
     failed: torch.Tensor | None = None  # [E] bool: the environment raised or timed out (see the module docstring)
+    gen_flops: float = 0.0  # FLOPs the generation needed (marft.flops: prefill + decode, no padding)
 
     def __post_init__(self):
         if self.failed is None:
@@ -87,7 +89,7 @@ class Rollout:
         idx = keep.nonzero().flatten().tolist()
         return Rollout(turns, self.rewards[keep], self.agent_rewards[keep], self.dones[keep], self.steps[keep],
                        self.success[keep], self.extracted[keep], self.seconds, self.gen_seconds,
-                       [self.infos[i] for i in idx], self.failed[keep])
+                       [self.infos[i] for i in idx], self.failed[keep], self.gen_flops)
 
     @property
     def generated_tokens(self) -> int:
@@ -144,12 +146,13 @@ def _guarded(fns: list, concurrent: bool, timeout: float) -> list[str | None]:
 
 def rollout(team: Team, models: TeamModel, make_env: Callable[[], TeamEnv], resets: list[tuple[int, dict]],
             sampling: Sampling, horizon: int, generator: torch.Generator | None = None,
-            on_turn: Callable[[Turn], None] | None = None, env_timeout_s: float = 300.0) -> Rollout:
+            on_turn: Callable[[Turn], None] | None = None, env_timeout_s: float = 300.0, fast: bool = True) -> Rollout:
     """Play one episode per ``(seed, options)`` in ``resets``, all concurrently.
 
     ``horizon`` bounds the steps (the environment normally ends its episodes itself). ``on_turn`` is
     called after every batched agent turn (progress display). ``env_timeout_s`` bounds each
-    ``reset`` and ``step`` of an episode's environment."""
+    ``reset`` and ``step`` of an episode's environment. ``fast`` is reserved for the sampling
+    loop's own fast path (not yet: both settings sample alike)."""
     start = time.perf_counter()
     envs = [make_env() for _ in resets]
     E, H, N = len(envs), horizon, len(team.agents)
@@ -173,7 +176,7 @@ def rollout(team: Team, models: TeamModel, make_env: Callable[[], TeamEnv], rese
     success = torch.zeros(E, dtype=torch.bool)
     extracted = torch.zeros(E, dtype=torch.bool)
     turns: list[Turn] = []
-    gen_seconds = 0.0
+    gen_seconds = gen_flops = 0.0
     def prompt(e: int, agent) -> tuple[str, list[dict]] | None:
         """The global state and the agent's chat for episode e, or None when its environment fails."""
         env, out = envs[e], []
@@ -207,6 +210,7 @@ def rollout(team: Team, models: TeamModel, make_env: Callable[[], TeamEnv], rese
             g0 = time.perf_counter()
             with models.acting(agent.name) as (model, tok):
                 out = generate(model, tok, chats, sampling, stop_token_ids(model, tok), generator)
+                gen_flops += generation_flops(model, out)
             gen_seconds += time.perf_counter() - g0
             for e, text in zip(active, out.texts):
                 replies[e][agent.name] = text
@@ -238,4 +242,15 @@ def rollout(team: Team, models: TeamModel, make_env: Callable[[], TeamEnv], rese
         if steps[e] > 0:
             dones[e, steps[e] - 1] = True
     return Rollout(turns, rewards, agent_rewards, dones, steps, success, extracted,
-                   time.perf_counter() - start, gen_seconds, infos, failed)
+                   time.perf_counter() - start, gen_seconds, infos, failed, gen_flops)
+
+
+def generation_flops(model, out) -> float:
+    """FLOPs one batched ``generate`` call needed (marft.flops): every prompt token once (prefill),
+    every generated token but the last fed back (decode), each attending to its row's tokens
+    before it, and the output projection after each prompt and each fed-back token; no padding."""
+    prompt = out.prompt_mask.sum(1).cpu()
+    replies = out.response_mask.sum(1).cpu()
+    fed = (replies - 1).clamp(min=0)  # the last token of a reply is sampled, never fed back
+    context = causal_context(prompt) + causal_context(fed, prompt)
+    return model_shape(model).forward(float(prompt.sum() + fed.sum()), context, float(len(prompt) + fed.sum()))

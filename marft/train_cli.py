@@ -148,7 +148,7 @@ def _line(m: dict, total: int, left_s: float) -> str:
     kl = m.get("approx_kl", next((v for k, v in m.items() if k.endswith("/approx_kl")), float("nan")))
     return (f"it {m['iteration']:>4}/{total}  reward {m['reward']:.3f}  acc {100 * m['accuracy']:5.1f}%  "
             f"kl {kl:.4f}  entropy {ent:.3f}  {m['tokens_per_s']:.0f} tok/s  "
-            f"{m['seconds']:.0f} s/it  left {left_s / 60:.1f} min")
+            f"MFU {100 * m.get('mfu/iteration', 0.0):.0f}%  {m['seconds']:.0f} s/it  left {left_s / 60:.1f} min")
 
 
 def _tensorboard(run_dir: Path, purge_step: int | None):

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from . import advantages as adv_fns
-from . import losses
+from . import flops, losses, packing
 from .config import RunConfig, save_config
 from .critic import ValueHead, prompt_features, state_features, token_features
 from .errors import UserError
@@ -77,12 +77,20 @@ class Trainer:
         self.iteration = 0
         self.bad_in_a_row = 0  # skipped policy updates since the last good one (train.max_bad_updates)
         self.skipped = {"updates": 0, "micro_batches": 0, "critic_updates": 0}  # in the current iteration
+        self._pending_old: set = set()  # (turn, row) whose behaviour log-probs come from the first pass
+        self._rows = None  # packing.Row per turn and row of the batch being learned from
+        self._flops = dict.fromkeys(("behaviour", "learner"), 0.0)  # needed FLOPs in this iteration
+        self._behaviour_s = 0.0
+        self._critic_work = packing.Work()
 
     # ------------------------------------------------------------------ one iteration
     def iteration_step(self) -> dict:
         cfg, tr, it = self.cfg, self.cfg.train, self.iteration
         times = {}
         self.skipped = dict.fromkeys(self.skipped, 0)
+        self._flops = dict.fromkeys(("behaviour", "learner"), 0.0)
+        self._behaviour_s = 0.0
+        self._critic_work = packing.Work()
         t0 = time.perf_counter()
         # 1. rollout
         out, failed = self._without_failed(self._rollout(it))
@@ -101,9 +109,20 @@ class Trainer:
         trained = self._trained_agents(it)
         policy_stats = self._update_policy(out, targets, trained) if trained else {}
         times["policy_update_s"] = time.perf_counter() - t3
+        times["behaviour_logprobs_s"] = self._behaviour_s
+        times["learner_s"] = times["policy_update_s"] - self._behaviour_s
         self.iteration += 1
         total = time.perf_counter() - t0
         tokens = out.generated_tokens
+        shape = self._shape()
+        work = {"rollout": (out.gen_flops, times["generation_s"]),
+                "behaviour_logprobs": (self._flops["behaviour"], times["behaviour_logprobs_s"]),
+                "learner": (self._flops["learner"], times["learner_s"]),
+                "critic_features": (shape.forward(self._critic_work.tokens, self._critic_work.context, 0), times["critic_features_s"])}
+        rate = flops.machine_rate(self._base())
+        mfu = {f"mfu/{k}": flops.mfu(f, s, rate) for k, (f, s) in work.items()}
+        mfu["mfu/iteration"] = flops.mfu(sum(f for f, _ in work.values()), total, rate)
+        mfu["machine/matmul_gflops"] = rate / 1e9
         metrics = {
             "iteration": self.iteration,
             "reward": float(out.rewards.sum(1).mean()),
@@ -114,7 +133,7 @@ class Trainer:
             "seconds": total,
             "trained": trained,
             "episodes/failed": failed,
-            **times, **critic_stats, **policy_stats,
+            **times, **mfu, **critic_stats, **policy_stats,
             **{f"skipped/{k}": v for k, v in self.skipped.items()},
             "skipped/updates_in_a_row": self.bad_in_a_row,
             **self._degenerate_stats(out),
@@ -170,7 +189,7 @@ class Trainer:
         sampling = Sampling(r.temperature, r.top_p, r.top_k, r.max_new_tokens, tuple(r.stop))
         generator = torch.Generator().manual_seed(_seed(cfg, it, 1))
         return rollout(self.team, self.models, self.make_env, resets, sampling, cfg.task.horizon, generator,
-                       env_timeout_s=r.env_timeout_s)
+                       env_timeout_s=r.env_timeout_s, fast=tr.fast)
 
     def _trained_agents(self, it: int) -> list[str]:
         tr = self.cfg.train
@@ -196,7 +215,7 @@ class Trainer:
             return [TurnTargets(zero, torch.zeros(len(t.episodes)), a[t.episodes], torch.zeros(len(t.episodes)))
                     for t in out.turns]
         if self.algorithm == "ippo":
-            feats = [prompt_features(self.models, t.agent, t.prompt_ids, t.prompt_mask) for t in out.turns]
+            feats = [prompt_features(self.models, t.agent, t.prompt_ids, t.prompt_mask, work=self._critic_work) for t in out.turns]
             values = torch.zeros(E, H, N)
             for t, f in zip(out.turns, feats):
                 with torch.no_grad():
@@ -208,7 +227,7 @@ class Trainer:
         head = self.heads["team"]
         K = H * N
         if not self.token_level:
-            feats = [state_features(self.models, t.agent, t.states) for t in out.turns]
+            feats = [state_features(self.models, t.agent, t.states, work=self._critic_work) for t in out.turns]
             values = torch.zeros(E, K)
             for t, f in zip(out.turns, feats):
                 with torch.no_grad():
@@ -222,7 +241,7 @@ class Trainer:
         tok_values = torch.zeros(E, K, T)
         feats = []
         for t in out.turns:
-            f = token_features(self.models, t.agent, t.states, t.response_ids, t.response_mask)
+            f = token_features(self.models, t.agent, t.states, t.response_ids, t.response_mask, work=self._critic_work)
             feats.append(f)
             k = self._micro_index(t)
             lengths[t.episodes, k] = t.response_mask.sum(1)
@@ -286,19 +305,30 @@ class Trainer:
                 adapter = self.team[t.agent].adapter
                 rows_by_adapter.setdefault(adapter, []).extend((i, r) for r in range(len(t.episodes)))
         norm_adv = self._normalised_advantages(out, targets)
+        self._rows = [packing.unpad(t.prompt_ids, t.prompt_mask, t.response_ids, t.response_mask) for t in out.turns]
         g = torch.Generator().manual_seed(_seed(self.cfg, self.iteration, 3))
         for adapter, rows in rows_by_adapter.items():
             params = self.models.adapter_parameters(adapter)
             opt = self.policy_opt[adapter]
-            old = self._old_logprobs(out, rows)
+            orders = [[rows[j] for j in torch.randperm(len(rows), generator=g).tolist()] for _ in range(tr.epochs)]
+            # behaviour log-probabilities; the fast path takes the first minibatch's from its own pass
+            # (no weight has moved yet when it runs)
+            self._pending_old = set(orders[0][:tr.minibatch_size]) if tr.fast and packing.REUSE_FIRST else set()
+            t0 = time.perf_counter()
+            recompute = [x for x in rows if x not in self._pending_old]
+            old = self._old_logprobs(out, recompute)
+            self._behaviour_s += time.perf_counter() - t0
+            self._flops["behaviour"] += self._needed(adapter, recompute, backward=False)
             agg = {"policy_loss": 0.0, "entropy": 0.0, "approx_kl": 0.0, "clip_fraction": 0.0, "kl_ref": 0.0, "grad_norm": 0.0}
             n_mb, stopped = 0, False
-            for _ in range(tr.epochs):
-                order = [rows[j] for j in torch.randperm(len(rows), generator=g).tolist()]
+            for order in orders:
                 for lo in range(0, len(order), tr.minibatch_size):
                     mb = order[lo:lo + tr.minibatch_size]
                     opt.zero_grad()
                     mb_stats = self._accumulate(out, mb, old, norm_adv, len(mb))
+                    self._flops["learner"] += self._needed(adapter, mb, backward=True)
+                    if tr.kl_coef > 0:  # the reference policy's forward
+                        self._flops["learner"] += self._needed(adapter, mb, backward=False)
                     gn = torch.nn.utils.clip_grad_norm_(params, tr.max_grad_norm)
                     if not mb_stats.pop("used") or not torch.isfinite(gn):
                         if torch.isfinite(gn):
@@ -324,6 +354,22 @@ class Trainer:
             stats[prefix + "early_stop"] = stopped
         return stats
 
+    def _base(self, adapter: str | None = None):
+        return self.models.bases[self.models.base_of[adapter or self.team.adapters[0]]]
+
+    def _shape(self, adapter: str | None = None) -> flops.ModelShape:
+        return flops.model_shape(self._base(adapter))
+
+    def _needed(self, adapter: str, rows: list[tuple[int, int]], backward: bool) -> float:
+        """FLOPs a pass over ``rows`` needs (:func:`marft.packing.needed_work`), forward or forward
+        + backward, whichever path computes it."""
+        if not rows:
+            return 0.0
+        tr = self.cfg.train
+        w = packing.needed_work([self._rows[i][r] for i, r in rows], tr.micro_batch_tokens, tr.micro_batch_size)
+        shape = self._shape(adapter)
+        return (shape.forward_backward if backward else shape.forward)(w.tokens, w.context, w.logits)
+
     def _skip_update(self) -> None:
         """Count a skipped policy update; ``train.max_bad_updates`` in a row stop the run."""
         self.skipped["updates"] += 1
@@ -348,95 +394,139 @@ class Trainer:
         flat = torch.cat(advs)
         return list(adv_fns.normalize(flat, torch.ones_like(flat, dtype=torch.bool)).split([len(a) for a in advs]))
 
-    def _forward(self, model, turn: Turn, rows: list[int], with_logits: bool):
-        """Teacher-forced token log-probabilities [b, R] (and logits [b, R, V]) of ``rows`` of a turn."""
-        ids = torch.cat([turn.prompt_ids[rows], turn.response_ids[rows]], 1)
-        mask = torch.cat([turn.prompt_mask[rows], turn.response_mask[rows]], 1)
+    def _micro_batches(self, out: Rollout, rows: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+        """Split rows (turn, row) into forward/backward passes: ``fast``: rows of similar length
+        together, by tokens (``micro_batch_tokens``) and rows (``micro_batch_size``); plain: by turn,
+        ``micro_batch_size`` rows at a time."""
+        tr = self.cfg.train
+        if tr.fast:
+            lengths = [self._rows[i][r].length for i, r in rows]
+            return [[rows[j] for j in g] for g in packing.micro_batches(lengths, tr.micro_batch_tokens, tr.micro_batch_size)]
+        by_turn: dict[int, list[int]] = {}
+        for i, r in rows:
+            by_turn.setdefault(i, []).append(r)
+        return [[(i, r) for r in rs[lo:lo + tr.micro_batch_size]] for i, rs in by_turn.items()
+                for lo in range(0, len(rs), tr.micro_batch_size)]
+
+    def _logprobs(self, model, out: Rollout, mb: list[tuple[int, int]], with_entropy: bool):
+        """Teacher-forced token log-probabilities [b, R] of the replies of ``mb`` (pairs (turn, row);
+        R = the longest of their turns' reply widths, 0 beyond a reply) and the masked mean entropy
+        (a scalar tensor, or None), under log softmax(logits / rollout.temperature)."""
+        temp = self.cfg.rollout.temperature
+        R = max(out.turns[i].response_ids.shape[1] for i, _ in mb)
+        if self.cfg.train.fast:
+            lp, ent, work = packing.response_logprobs(model, [self._rows[i][r] for i, r in mb], temp, with_entropy)
+            rmask = self._gather(out, mb, "response_mask", R).to(lp.device)
+            lp = torch.nn.functional.pad(lp, (0, R - lp.shape[1]))
+            if ent is not None:
+                ent = losses.masked_mean(torch.nn.functional.pad(ent, (0, R - ent.shape[1])), rmask)
+            return lp, ent
+        t = out.turns[mb[0][0]]
+        rows = [r for _, r in mb]
+        ids = torch.cat([t.prompt_ids[rows], t.response_ids[rows]], 1)
+        mask = torch.cat([t.prompt_mask[rows], t.response_mask[rows]], 1)
         device = next(model.parameters()).device
         ids, mask_l = ids.to(device), mask.long().to(device)
-        R = turn.response_ids.shape[1]
-        logits = model(input_ids=ids, attention_mask=mask_l, position_ids=_positions(mask_l), logits_to_keep=R + 1).logits[:, :-1]
-        temp = self.cfg.rollout.temperature
+        logits = model(input_ids=ids, attention_mask=mask_l, position_ids=_positions(mask_l),
+                       logits_to_keep=t.response_ids.shape[1] + 1).logits[:, :-1]
         logits = logits.float() / temp
-        resp = turn.response_ids[rows].to(device)
-        lp = torch.log_softmax(logits, -1).gather(-1, resp[..., None]).squeeze(-1)
-        rmask = turn.response_mask[rows].to(device)
-        lp = lp * rmask
-        return (lp, logits) if with_logits else (lp, None)
+        resp = t.response_ids[rows].to(device)
+        rmask = t.response_mask[rows].to(device)
+        lp = torch.log_softmax(logits, -1).gather(-1, resp[..., None]).squeeze(-1) * rmask
+        ent = losses.entropy_from_logits(logits, rmask) if with_entropy else None
+        return torch.nn.functional.pad(lp, (0, R - lp.shape[1])), ent
+
+    @staticmethod
+    def _gather(out: Rollout, mb: list[tuple[int, int]], name: str, R: int) -> torch.Tensor:
+        """``turn.<name>`` [b_i, R_i] of each row of ``mb``, right-padded (zeros) to [b, R]."""
+        return torch.stack([torch.nn.functional.pad(getattr(out.turns[i], name)[r], (0, R - out.turns[i].response_ids.shape[1]))
+                            for i, r in mb])
 
     @torch.no_grad()
     def _old_logprobs(self, out: Rollout, rows: list[tuple[int, int]]) -> dict[int, torch.Tensor]:
         """Behaviour log-probabilities [b, R] per turn, recomputed by the learner (so the first
-        ratio is exactly 1: rollout and learner numerics differ, in bf16 especially)."""
-        by_turn: dict[int, list[int]] = {}
-        for i, r in rows:
-            by_turn.setdefault(i, []).append(r)
-        old = {}
-        for i, rs in by_turn.items():
-            t = out.turns[i]
-            lp = torch.zeros_like(t.logprobs)
-            with self.models.acting(t.agent) as (model, _):
-                for lo in range(0, len(rs), self.cfg.train.micro_batch_size):
-                    chunk = rs[lo:lo + self.cfg.train.micro_batch_size]
-                    lp[chunk] = self._forward(model, t, chunk, False)[0].cpu()
-            old[i] = lp
+        ratio is exactly 1: rollout and learner numerics differ, in bf16 especially). Rows not in
+        ``rows`` are zeros here; those in ``self._pending_old`` are filled by :meth:`_accumulate`
+        from its own pass."""
+        old = {i: torch.zeros_like(t.logprobs) for i, t in enumerate(out.turns)}
+        agent_of = {i: t.agent for i, t in enumerate(out.turns)}
+        for mb in self._micro_batches(out, rows):
+            with self.models.acting(agent_of[mb[0][0]]) as (model, _):
+                lp, _ = self._logprobs(model, out, mb, False)
+            for (i, r), row in zip(mb, lp.cpu()):
+                old[i][r] = row[: old[i].shape[1]]
         return old
 
     def _accumulate(self, out: Rollout, mb: list[tuple[int, int]], old: dict, norm_adv: list, mb_size: int) -> dict:
-        """Forward and backward of one minibatch in micro-batches; losses scaled by rows / mb_size."""
+        """Forward and backward of one minibatch in micro-batches. Action level: each row's loss
+        weighs rows / ``mb_size``; token-level losses, entropy and KL weigh the micro-batch's reply
+        tokens / the minibatch's, so the gradient does not depend on how the minibatch is split."""
         tr = self.cfg.train
-        by_turn: dict[int, list[int]] = {}
-        for i, r in mb:
-            by_turn.setdefault(i, []).append(r)
         stats = {"policy_loss": 0.0, "entropy": 0.0, "approx_kl": 0.0, "clip_fraction": 0.0, "kl_ref": 0.0, "used": 0}
-        for i, rs in by_turn.items():
-            t = out.turns[i]
-            for lo in range(0, len(rs), tr.micro_batch_size):
-                chunk = rs[lo:lo + tr.micro_batch_size]
-                w = len(chunk) / mb_size
-                rmask = t.response_mask[chunk]
-                ref_lp = None
-                if tr.kl_coef > 0:
-                    with torch.no_grad(), self.models.reference(t.agent) as (model, _):
-                        ref_lp = self._forward(model, t, chunk, False)[0]
-                with self.models.acting(t.agent) as (model, _):
-                    lp, logits = self._forward(model, t, chunk, tr.entropy_coef > 0)
-                old_lp = old[i][chunk].to(lp.device)
-                bad = [name for name, x in (("rollout", t.logprobs[chunk]), ("recomputed", old_lp), ("current", lp),
-                                            ("reference", ref_lp)) if x is not None and not _finite(x, rmask)]
-                if bad:
-                    self.log(f"warning: non-finite {', '.join(bad)} log-probabilities for agent {t.agent} at iteration "
-                             f"{self.iteration}; micro-batch skipped")
-                    self.skipped["micro_batches"] += 1
-                    continue
-                a = norm_adv[i]
-                if self.token_level:
-                    a = a.view(len(t.episodes), -1)[chunk].to(lp.device)
-                    pl, st = losses.ppo_policy_loss(lp, old_lp, a, rmask, tr.clip)
-                else:
-                    words = torch.tensor([len(t.texts[r].split()) for r in chunk]) if tr.logprob == "word" else None
-                    new_a = losses.action_logprobs(lp, rmask, tr.logprob, words)
-                    old_a = losses.action_logprobs(old_lp, rmask, tr.logprob, words)
-                    pl, st = losses.ppo_policy_loss(new_a, old_a, a[chunk].to(lp.device), None, tr.clip)
-                loss = pl
-                if logits is not None:
-                    ent = losses.entropy_from_logits(logits, rmask)
-                    loss = loss - tr.entropy_coef * ent
-                    stats["entropy"] += w * float(ent.detach())
-                if ref_lp is not None:
-                    kl = losses.kl_penalty(lp, ref_lp, rmask)
-                    loss = loss + tr.kl_coef * kl
-                    stats["kl_ref"] += w * float(kl.detach())
-                if not torch.isfinite(loss):
-                    self.log(f"warning: non-finite loss for agent {t.agent} at iteration {self.iteration}; micro-batch skipped")
-                    self.skipped["micro_batches"] += 1
-                    continue
-                (loss * w).backward()
-                stats["used"] += 1
-                stats["policy_loss"] += w * float(pl.detach())
-                stats["approx_kl"] += w * st["approx_kl"]
-                stats["clip_fraction"] += w * st["clip_fraction"]
+        mb_tokens = sum(int(out.turns[i].response_mask[r].sum()) for i, r in mb)
+        for chunk in self._micro_batches(out, mb):
+            agent = out.turns[chunk[0][0]].agent
+            R = max(out.turns[i].response_ids.shape[1] for i, _ in chunk)
+            rmask = self._gather(out, chunk, "response_mask", R)
+            w_rows, w_tok = len(chunk) / mb_size, float(rmask.sum()) / max(mb_tokens, 1)
+            ref_lp = None
+            if tr.kl_coef > 0:
+                with torch.no_grad(), self.models.reference(agent) as (model, _):
+                    ref_lp = self._logprobs(model, out, chunk, False)[0]
+            with self.models.acting(agent) as (model, _):
+                lp, ent = self._logprobs(model, out, chunk, tr.entropy_coef > 0)
+            rmask = rmask.to(lp.device)
+            old_lp = self._gather_old(old, chunk, R, lp)
+            bad = [name for name, x in (("rollout", self._gather(out, chunk, "logprobs", R)), ("recomputed", old_lp),
+                                        ("current", lp), ("reference", ref_lp)) if x is not None and not _finite(x, rmask)]
+            if bad:
+                self.log(f"warning: non-finite {', '.join(bad)} log-probabilities for agent {agent} at iteration "
+                         f"{self.iteration}; micro-batch skipped")
+                self.skipped["micro_batches"] += 1
+                continue
+            if self.token_level:
+                a = torch.stack([torch.nn.functional.pad(norm_adv[i].view(len(out.turns[i].episodes), -1)[r],
+                                                         (0, R - out.turns[i].response_ids.shape[1])) for i, r in chunk]).to(lp.device)
+                pl, st = losses.ppo_policy_loss(lp, old_lp, a, rmask, tr.clip)
+                w = w_tok
+            else:
+                words = torch.tensor([len(out.turns[i].texts[r].split()) for i, r in chunk]) if tr.logprob == "word" else None
+                new_a = losses.action_logprobs(lp, rmask, tr.logprob, words)
+                old_a = losses.action_logprobs(old_lp, rmask, tr.logprob, words)
+                a = torch.stack([norm_adv[i][r] for i, r in chunk]).to(lp.device)
+                pl, st = losses.ppo_policy_loss(new_a, old_a, a, None, tr.clip)
+                w = w_rows
+            loss = w * pl
+            if ent is not None:
+                loss = loss - tr.entropy_coef * w_tok * ent
+                stats["entropy"] += w_tok * float(ent.detach())
+            if ref_lp is not None:
+                kl = losses.kl_penalty(lp, ref_lp, rmask)
+                loss = loss + tr.kl_coef * w_tok * kl
+                stats["kl_ref"] += w_tok * float(kl.detach())
+            if not torch.isfinite(loss):
+                self.log(f"warning: non-finite loss for agent {agent} at iteration {self.iteration}; micro-batch skipped")
+                self.skipped["micro_batches"] += 1
+                continue
+            loss.backward()
+            stats["used"] += 1
+            stats["policy_loss"] += w * float(pl.detach())
+            stats["approx_kl"] += w * st["approx_kl"]
+            stats["clip_fraction"] += w * st["clip_fraction"]
         return stats
+
+    def _gather_old(self, old: dict, chunk: list[tuple[int, int]], R: int, lp: torch.Tensor) -> torch.Tensor:
+        """Behaviour log-probabilities [b, R] of ``chunk``; rows of the fast path's first minibatch
+        (``self._pending_old``: no weight has moved yet) take the current pass's values, stored for
+        later epochs."""
+        rows = []
+        for (i, r), cur in zip(chunk, lp.detach()):
+            if (i, r) in self._pending_old:
+                self._pending_old.discard((i, r))
+                old[i][r] = cur[: old[i].shape[1]].cpu()
+            stored = old[i][r]
+            rows.append(torch.nn.functional.pad(stored, (0, R - stored.shape[0])))
+        return torch.stack(rows).to(lp.device)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:

@@ -89,8 +89,9 @@ def marft(*args, driver=None, kill=None):
 
 
 def comparable(path):
-    skip = {"seconds", "tokens_per_s", "rollout_s", "generation_s", "critic_features_s", "critic_update_s", "policy_update_s"}
-    return [{k: v for k, v in json.loads(line).items() if k not in skip} for line in path.read_text().splitlines()]
+    skip = {"seconds", "tokens_per_s"}  # and every time (*_s) and speed (mfu/*, machine/*)
+    return [{k: v for k, v in json.loads(line).items() if k not in skip and not k.endswith("_s") and not k.startswith(("mfu/", "machine/"))}
+            for line in path.read_text().splitlines()]
 
 
 def assert_same_run(a: Path, b: Path):

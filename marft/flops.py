@@ -1,0 +1,113 @@
+"""Model FLOPs utilisation (MFU): the FLOPs a piece of work needs, divided by the time it took and
+by the machine's own matrix-multiply rate in the run's dtype, measured in the same process.
+
+FLOPs of a decoder-only transformer, per token, counting a multiply-add as 2 FLOPs:
+
+    forward   = 2 * N  +  4 * L * d_attn * ctx  (+ 2 * H * V where that token's logits are computed)
+
+where N is the number of non-embedding parameters (every weight matrix a token passes through:
+attention projections and MLP of every layer), L the layers, d_attn = heads * head_dim the width
+of the attention (the QK^T and the attention-times-V products), ctx the number of positions the
+token attends to (itself and every earlier one), H the hidden size and V the vocabulary (the output
+projection, computed only where log-probabilities or samples are needed). The backward pass of a
+LoRA learner through a frozen base computes activation gradients only (no weight gradients for the
+base): one matrix product per weight, as in the forward, and two per attention product, so
+
+    forward + backward = 2 * (2 * N + 2 * H * V [logits positions]) + 3 * (4 * L * d_attn * ctx)
+
+(LoRA's own products, 2 * r * (d_in + d_out) per adapted matrix, are below 1% at r = 8 and left out.)
+
+"Needed" is the work itself, not what a given implementation spends on it: padding is not counted,
+and a prefix that every row of a batch shares (the system prompt and chat template) is counted once
+per batch, so an implementation that recomputes it or computes padding shows as a lower MFU.
+
+The machine's rate is that of one square matrix product (2048 x 2048 x 2048 by default) in the run's
+dtype on the run's device and thread count, best of a few repetitions after a warm-up; it is measured
+once per process (about a second) and cached.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the FLOP count needs to know about a model."""
+
+    non_embedding_params: int  # N: weights every token passes through (no embedding, no output projection)
+    layers: int  # L
+    attn_dim: int  # heads * head_dim
+    hidden: int  # H
+    vocab: int  # V
+
+    def forward(self, tokens: float, context: float, logits: float) -> float:
+        """FLOPs of a forward pass over ``tokens`` tokens whose attention contexts sum to ``context``
+        positions, with the output projection at ``logits`` of them."""
+        return 2 * self.non_embedding_params * tokens + 4 * self.layers * self.attn_dim * context + 2 * self.hidden * self.vocab * logits
+
+    def forward_backward(self, tokens: float, context: float, logits: float) -> float:
+        """FLOPs of forward + backward through a frozen base with LoRA (activation gradients only)."""
+        return 2 * (2 * self.non_embedding_params * tokens + 2 * self.hidden * self.vocab * logits) + 3 * 4 * self.layers * self.attn_dim * context
+
+
+def model_shape(model) -> ModelShape:
+    """The :class:`ModelShape` of a Hugging Face causal LM (or a PEFT model around one)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cfg = base.config
+    cfg = getattr(cfg, "text_config", cfg)
+    embed = base.get_input_embeddings()
+    skip = {id(embed.weight)}
+    head = base.get_output_embeddings()
+    if head is not None:
+        skip.add(id(head.weight))
+    n = sum(p.numel() for name, p in base.named_parameters() if id(p) not in skip and p.dim() >= 2 and "lora_" not in name)
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return ModelShape(n, cfg.num_hidden_layers, heads * head_dim, cfg.hidden_size, embed.weight.shape[0])
+
+
+def causal_context(lengths: torch.Tensor, offset: torch.Tensor | int = 0) -> float:
+    """Sum over the tokens of rows of ``lengths`` [b] tokens, appended after ``offset`` earlier
+    positions, of the positions each attends to: sum_b (offset_b * n_b + n_b (n_b + 1) / 2)."""
+    n = lengths.double()
+    return float((torch.as_tensor(offset, dtype=torch.float64) * n + n * (n + 1) / 2).sum())
+
+
+@lru_cache(maxsize=None)
+def matmul_rate(dtype: torch.dtype = torch.float32, device: str = "cpu", n: int = 2048, threads: int = 0) -> float:
+    """FLOP/s of an ``n`` x ``n`` x ``n`` matrix product in ``dtype`` on ``device``: the best of
+    five timed repetitions after two warm-up ones. ``threads`` only keys the cache (the rate is
+    measured with the current ``torch.get_num_threads()``)."""
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(0)
+    a = torch.randn(n, n, generator=g, device=dev).to(dtype)
+    b = torch.randn(n, n, generator=g, device=dev).to(dtype)
+    best = float("inf")
+    for i in range(7):
+        _sync(dev)
+        t0 = time.perf_counter()
+        a @ b
+        _sync(dev)
+        if i >= 2:
+            best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def machine_rate(model) -> float:
+    """The matrix rate (FLOP/s) for ``model``'s dtype and device at the current thread count."""
+    p = next(model.parameters())
+    return matmul_rate(p.dtype, str(p.device), threads=torch.get_num_threads())
+
+
+def mfu(flops: float, seconds: float, rate: float) -> float:
+    """FLOPs / (seconds * rate); 0 when nothing was timed."""
+    return flops / (seconds * rate) if seconds > 0 and rate > 0 else 0.0
