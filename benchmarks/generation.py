@@ -5,6 +5,8 @@
 Same 32 prompts (a solver asked to add two numbers), 64 new tokens at most, temperature 0.7, the
 embedded SmolLM2-135M-Instruct, 2 threads. Rows:
 - marft ``generate`` with the agent's LoRA adapter active (what rollout does);
+- the same on the old path (``compact=False, share_prefix=False, preallocate=False``: every
+  prompt prefilled whole, finished rows kept in the batch, the KV cache grown by concatenation);
 - the same with adapters disabled;
 - transformers ``model.generate`` with adapters disabled (the usual baseline);
 - marft with ``torch.multinomial`` sampling instead of inverse-CDF sampling (ablation);
@@ -51,10 +53,12 @@ def main() -> None:
     with models.acting("solver") as (model, tok):
         stops = stop_token_ids(model, tok)
 
-        def ours():
-            return int(gen.generate(model, tok, CHATS, SAMPLING, stops, torch.Generator().manual_seed(0)).response_mask.sum())
+        def ours(**flags):
+            return int(gen.generate(model, tok, CHATS, SAMPLING, stops, torch.Generator().manual_seed(0), **flags).response_mask.sum())
 
         rows.append(("marft generate, LoRA active", *timed(ours)))
+        rows.append(("marft generate, old path, LoRA active",
+                     *timed(lambda: ours(compact=False, share_prefix=False, preallocate=False))))
         with model.disable_adapter():
             rows.append(("marft generate, adapters disabled", *timed(ours)))
             ids, mask = gen.encode_chats(tok, CHATS, "cpu")
@@ -67,7 +71,7 @@ def main() -> None:
 
             rows.append(("transformers generate, adapters disabled", *timed(hf)))
         real_sample = gen._sample
-        gen._sample = lambda logits, g: torch.multinomial(logits.softmax(-1), 1, generator=g).squeeze(-1)
+        gen._sample = lambda logits, g, u=None: torch.multinomial(logits.softmax(-1), 1, generator=g).squeeze(-1)
         rows.append(("ablation: torch.multinomial sampling, LoRA active", *timed(ours)))
         gen._sample = real_sample
         head = model.get_output_embeddings()
@@ -75,7 +79,7 @@ def main() -> None:
         head._forward_pre_hooks.clear()
         rows.append(("ablation: no contiguous-input hook, LoRA active", *timed(ours)))
         head._forward_pre_hooks.update(hooks)
-    base = rows[2][1] / rows[2][2]
+    base = rows[3][1] / rows[3][2]
     print("| generation (32 prompts, <=64 new tokens, T=0.7) | tokens | seconds | tokens/s | vs transformers generate |")
     print("|---|---|---|---|---|")
     for name, n, s in rows:

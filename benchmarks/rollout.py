@@ -1,19 +1,27 @@
-"""Rollout speed and memory: batched team rollout against a naive one-episode-at-a-time loop.
+"""Rollout generation speed and MFU: marft's sampling loop (new and old path) against transformers'
+``generate`` on the same prompts.
 
-    .venv/bin/python benchmarks/rollout.py                  # default duo, embedded model, CPU
-    .venv/bin/python benchmarks/rollout.py --quick          # fewer episodes, for a smoke run
+    .venv/bin/python benchmarks/rollout.py                 # default duo, 64 episodes, 2 threads
+    .venv/bin/python benchmarks/rollout.py --episodes 16   # a quicker smoke run
 
-Part 1 runs both in this process on the same config, seeds and problems, and prints generated
-tokens/s of each and their ratio. Part 2 starts one fresh process per team size (1, 2, 4 agents)
-and prints its peak resident memory after loading the team and playing a batch of episodes: the
-team holds one base model whatever its size, so memory barely grows with agents.
+Rows (each after a warm-up of its own path):
+- marft rollout, new path: ``generate``'s defaults (shared prompt prefix prefilled once, finished
+  rows leave the batch, KV cache with room reserved);
+- marft rollout, old path: ``compact=False, share_prefix=False, preallocate=False``;
+- transformers ``model.generate`` on the prompts of the new path's rollout, agent by agent, with
+  that agent's LoRA adapter active (as in rollout), same sampling and limits, stopping at the same
+  end-of-turn tokens.
+
+Seconds are generation time only (rollout's ``gen_seconds``; for transformers, its ``generate``
+calls). MFU = needed FLOPs / seconds / the machine's matrix-multiply rate in the model's dtype
+(``marft.flops``); needed FLOPs count prompt and reply tokens only (no padding, no finished rows,
+the prompt prefix all rows of a batch share once), from each run's own replies. Temperature and
+max_new_tokens are pinned to the config's current values (0.7, 64) so that the figures do not move
+when the config does. Sampling differs between runs (bf16 rounding), so token counts differ a little.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,103 +30,105 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import marft.rollout as rollout_module  # noqa: E402
 from marft.cli import prepare  # noqa: E402
 from marft.config import load_config  # noqa: E402
-from marft.generation import Sampling  # noqa: E402
-from marft.rollout import rollout  # noqa: E402
+from marft.flops import matmul_rate, model_shape  # noqa: E402
+from marft.generation import Sampling, encode_chats, generate, needed_work  # noqa: E402
+from marft.models import stop_token_ids  # noqa: E402
+
+PATHS = [("marft rollout, new path", {}),
+         ("marft rollout, old path", {"compact": False, "share_prefix": False, "preallocate": False})]
 
 
-def peak_rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
 
 
-def play(team, models, make_env, resets, sampling, horizon, seed):
-    g = torch.Generator().manual_seed(seed)
-    t0 = time.perf_counter()
-    out = rollout(team, models, make_env, resets, sampling, horizon, g)
-    return out.generated_tokens, time.perf_counter() - t0
+def play(setup, resets, flags: dict, seed: int):
+    """One rollout through ``generate(**flags)``; returns it and each call's (chats, Generated)."""
+    team, models, make_env, sampling, horizon = setup
+    calls = []
+
+    def recording(model, tok, chats, sampling, stop_ids, generator=None, **kw):
+        out = generate(model, tok, chats, sampling, stop_ids, generator, **{**kw, **flags})
+        calls.append((chats, out))
+        return out
+
+    real, rollout_module.generate = rollout_module.generate, recording
+    try:
+        g = torch.Generator().manual_seed(seed)
+        out = rollout_module.rollout(team, models, make_env, resets, sampling, horizon, g)
+    finally:
+        rollout_module.generate = real
+    return out, calls
 
 
-def speed(args) -> dict:
-    cfg = load_config(args.config, args.overrides + [f"threads={args.threads}"])
-    team, models, make_env = prepare(cfg)
-    r = cfg.rollout
-    sampling = Sampling(r.temperature, r.top_p, r.top_k, r.max_new_tokens, tuple(r.stop))
-    resets = [(i, {"split": "train"}) for i in range(args.episodes)]
-    play(team, models, make_env, resets[:4], sampling, cfg.task.horizon, 0)  # warm-up
-    batched_tokens, batched_s = play(team, models, make_env, resets, sampling, cfg.task.horizon, 1)
-    naive_tokens, naive_s = 0, 0.0
-    for i in range(args.naive_episodes):
-        n, s = play(team, models, make_env, [resets[i]], sampling, cfg.task.horizon, 100 + i)
-        naive_tokens, naive_s = naive_tokens + n, naive_s + s
-    res = {
-        "team": team.names, "episodes": args.episodes, "naive_episodes": args.naive_episodes,
-        "max_new_tokens": r.max_new_tokens, "temperature": r.temperature, "threads": torch.get_num_threads(),
-        "dtype": str(next(iter(models.bases.values())).dtype),
-        "batched_tokens": batched_tokens, "batched_s": batched_s, "batched_tok_s": batched_tokens / batched_s,
-        "naive_tokens": naive_tokens, "naive_s": naive_s, "naive_tok_s": naive_tokens / naive_s,
-        "peak_rss_gb": peak_rss_gb(),
-    }
-    res["speedup"] = res["batched_tok_s"] / res["naive_tok_s"]
-    return res
-
-
-def memory_child(args) -> dict:
-    """In a fresh process: load the team, play one batch, report peak memory."""
-    cfg = load_config(args.config, args.overrides + [f"team.preset={args.preset}", f"threads={args.threads}"])
-    team, models, make_env = prepare(cfg)
-    load_gb = peak_rss_gb()
-    r = cfg.rollout
-    sampling = Sampling(r.temperature, r.top_p, r.top_k, args.memory_tokens, tuple(r.stop))
-    tokens, _ = play(team, models, make_env, [(i, {"split": "train"}) for i in range(args.episodes)],
-                     sampling, cfg.task.horizon, 0)
-    base_params = sum(p.numel() * p.element_size() for m in models.bases.values()
-                      for n, p in m.named_parameters() if "lora_" not in n)
-    lora_params = sum(p.numel() * p.element_size() for m in models.bases.values()
-                      for n, p in m.named_parameters() if "lora_" in n)
-    return {"preset": args.preset, "agents": len(team.agents), "base_copies": len(models.bases),
-            "base_weights_gb": base_params / 2**30, "adapter_weights_mb": lora_params / 2**20,
-            "peak_rss_after_load_gb": load_gb, "peak_rss_gb": peak_rss_gb(), "tokens": tokens}
+def hf_generate(models, agent: str, chats, sampling: Sampling):
+    """transformers' ``generate`` on one agent's prompts; returns (seconds, prompt ids, prompt mask, reply mask)."""
+    with models.acting(agent) as (model, tok):
+        stops = stop_token_ids(model, tok)
+        ids, mask = encode_chats(tok, chats, next(model.parameters()).device)
+        torch.manual_seed(0)
+        t0 = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=mask.long(), do_sample=sampling.temperature > 0,
+                             temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                             max_new_tokens=sampling.max_new_tokens, eos_token_id=stops, pad_token_id=tok.pad_token_id)
+        seconds = time.perf_counter() - t0
+    reply = out[:, ids.shape[1]:]
+    hit = torch.isin(reply, torch.tensor(stops, device=reply.device)).long()
+    reply_mask = (hit.cumsum(1) - hit) == 0  # up to and including the first end-of-turn token
+    return seconds, ids, mask, reply_mask
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "configs/duo_arithmetic.yaml"))
-    p.add_argument("--episodes", type=int, default=32)
-    p.add_argument("--naive-episodes", type=int, default=8, help="episodes of the one-at-a-time loop (it is slow)")
-    p.add_argument("--memory-tokens", type=int, default=32, help="max new tokens in the memory runs")
+    p.add_argument("--episodes", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--quick", action="store_true", help="8 episodes, 2 naive, 32 new tokens")
-    p.add_argument("--child", help=argparse.SUPPRESS)  # preset, for the memory subprocess
-    p.add_argument("--preset", default="duo", help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
-    # pinned, so that the figures do not move when the example config changes
-    args.overrides = ["rollout.temperature=1.0", "rollout.max_new_tokens=96", *args.overrides]
-    if args.quick:
-        args.episodes, args.naive_episodes = 8, 2
-        args.overrides.append("rollout.max_new_tokens=32")
-    if args.child:
-        print(json.dumps(memory_child(args)))
-        return
+    pinned = ["rollout.temperature=0.7", "rollout.max_new_tokens=64", f"threads={args.threads}"]
+    cfg = load_config(args.config, pinned + args.overrides)
+    team, models, make_env = prepare(cfg)
+    r = cfg.rollout
+    sampling = Sampling(r.temperature, r.top_p, r.top_k, r.max_new_tokens, tuple(r.stop))
+    setup = (team, models, make_env, sampling, cfg.task.horizon)
+    base = next(iter(models.bases.values()))
+    dtype, shape = next(base.parameters()).dtype, model_shape(base)
+    rate = matmul_rate(dtype, str(next(base.parameters()).device), threads=torch.get_num_threads())
+    resets = [(i, {"split": "train"}) for i in range(args.episodes)]
 
-    s = speed(args)
-    print(f"# rollout: team {' -> '.join(s['team'])}, {s['max_new_tokens']} new tokens max, T={s['temperature']}, "
-          f"{s['dtype']}, {s['threads']} threads")
-    print(f"batched ({s['episodes']} episodes at once): {s['batched_tokens']} tokens in {s['batched_s']:.1f} s = {s['batched_tok_s']:.1f} tok/s")
-    print(f"naive   (1 episode at a time, {s['naive_episodes']} episodes): {s['naive_tokens']} tokens in {s['naive_s']:.1f} s = {s['naive_tok_s']:.1f} tok/s")
-    print(f"speed-up batched / naive: {s['speedup']:.1f}x    peak RSS of this process: {s['peak_rss_gb']:.2f} GiB")
-    print()
-    print(f"# memory by team size (fresh process each, {args.episodes} episodes, {args.memory_tokens} new tokens)")
-    print("| agents | preset | base model copies | base weights GiB | adapter weights MiB | peak RSS after load GiB | peak RSS GiB |")
+    rows, runs = [], []  # rows: (name, tokens, seconds, needed FLOPs, computed FLOPs or None)
+    for name, flags in PATHS:
+        play(setup, resets[:4], flags, 0)  # warm-up
+        out, calls = play(setup, resets, flags, 1)
+        runs.append((out, calls))
+        rows.append((name, out.generated_tokens, out.gen_seconds, sum(g.work.flops(shape) for _, g in calls),
+                     sum(g.spent.flops(shape) for _, g in calls)))
+    new_out, new_calls = runs[0]
+    prompts = [(t.agent, chats) for t, (chats, _) in zip(new_out.turns, new_calls)]
+    hf_generate(models, prompts[0][0], prompts[0][1][:4], sampling)  # warm-up
+    tokens = seconds = needed = 0.0
+    for agent, chats in prompts:
+        s, ids, mask, reply_mask = hf_generate(models, agent, chats, sampling)
+        tokens, seconds = tokens + int(reply_mask.sum()), seconds + s
+        needed += needed_work(ids, mask, reply_mask).flops(shape)
+    rows.append(("transformers generate (agent's adapter active)", int(tokens), seconds, needed, None))
+
+    print(f"# rollout generation: team {' -> '.join(team.names)}, {args.episodes} episodes, "
+          f"<= {r.max_new_tokens} new tokens, T={r.temperature}, {dtype}, {torch.get_num_threads()} threads")
+    print(f"# CPU: {cpu_model()}; matrix-multiply rate ({dtype}, 2048^3): {rate / 1e12:.2f} TFLOP/s")
+    hf_rate = rows[-1][1] / rows[-1][2]
+    print("| path | generated tokens | seconds | tokens/s | MFU | computed / needed FLOPs | vs transformers generate |")
     print("|---|---|---|---|---|---|---|")
-    for preset in ("solo", "duo", "quartet"):
-        cmd = [sys.executable, __file__, "--child", "1", "--preset", preset, "--config", args.config,
-               "--episodes", str(args.episodes), "--memory-tokens", str(args.memory_tokens),
-               "--threads", str(args.threads), *args.overrides]
-        m = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
-        print(f"| {m['agents']} | {m['preset']} | {m['base_copies']} | {m['base_weights_gb']:.3f} | "
-              f"{m['adapter_weights_mb']:.2f} | {m['peak_rss_after_load_gb']:.2f} | {m['peak_rss_gb']:.2f} |")
+    for name, n, s, need, comp in rows:
+        waste = f"{comp / need:.2f}" if comp else "n/a"
+        print(f"| {name} | {n} | {s:.1f} | {n / s:.0f} | {need / s / rate:.2%} | {waste} | {n / s / hf_rate:.2f}x |")
+    print(f"(new path: whole rollout {new_out.seconds:.1f} s, environments and prompt building included)")
 
 
 if __name__ == "__main__":

@@ -5,15 +5,25 @@ Log-probabilities are those of the temperature-scaled policy, log softmax(logits
 top-k / top-p truncation: the quantity a learner recomputes from the same tokens. At T = 0
 (greedy) they are taken at T = 1.
 
-Shapes: B prompts, P prompt length (left-padded), R response length (right-padded), V vocabulary.
+Work saved (:func:`generate`; each can be switched off, none changes the replies): the token prefix
+that every prompt of a batch shares (system prompt, chat template, task preamble) is prefilled once;
+rows whose reply has ended leave the decode batch; the KV cache reserves room for the replies
+instead of growing by concatenation. :class:`Work` counts what the replies need and what was
+computed, for FLOP and MFU figures (:mod:`marft.flops`).
+
+Shapes: B prompts, b rows still in the decode batch, P prompt length (left-padded), R response
+length (right-padded), V vocabulary.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers.cache_utils import DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .flops import causal_context
 
 # transformers >= 5.2x names the KV cache `cache`; earlier releases `past_key_values`
 _CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -29,6 +39,29 @@ class Sampling:
 
 
 @dataclass
+class Work:
+    """Model work of a :func:`generate` call, in the terms of :meth:`marft.flops.ModelShape.forward`.
+
+    Prefill is the forward pass over the prompts, decode the forward passes over the generated
+    tokens fed back one at a time. A token's context is the number of positions it attends to,
+    itself included; the contexts are summed over the tokens."""
+
+    prefill_tokens: float = 0.0
+    prefill_context: float = 0.0
+    decode_tokens: float = 0.0
+    decode_context: float = 0.0
+    logits: float = 0.0  # positions whose output projection was computed
+
+    def flops(self, shape) -> float:
+        """FLOPs of this work for a model of ``shape`` (a :class:`marft.flops.ModelShape`)."""
+        return shape.forward(self.prefill_tokens + self.decode_tokens,
+                             self.prefill_context + self.decode_context, self.logits)
+
+    def __add__(self, other: "Work") -> "Work":
+        return Work(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+
+@dataclass
 class Generated:
     prompt_ids: torch.Tensor  # [B, P] long, left-padded
     prompt_mask: torch.Tensor  # [B, P] bool
@@ -37,6 +70,10 @@ class Generated:
     logprobs: torch.Tensor  # [B, R] float32, 0 where response_mask is False
     truncated: torch.Tensor  # [B] bool: hit max_new_tokens without ending
     texts: list[str]  # decoded replies without special tokens
+    # what the replies need (the FLOPs of MFU): prompt and reply tokens only, without padding or
+    # finished rows, a prefix common to every prompt once
+    work: Work | None = None
+    spent: Work | None = None  # what this call computed: padding, finished rows kept in the batch, ...
 
 
 def encode_chats(tok, chats: list[list[dict]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,12 +94,14 @@ def _render(tok, chat: list[dict]) -> str:
         raise
 
 
-def _sample(logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of ``logits`` [B, V] by inverse-CDF sampling: one uniform number per row
-    (``torch.multinomial`` draws one per vocabulary entry, about 30 ms per step on 2 CPU cores)."""
+def _sample(logits: torch.Tensor, generator: torch.Generator | None, u: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row of ``logits`` [b, V] by inverse-CDF sampling: one uniform number per row
+    (``torch.multinomial`` draws one per vocabulary entry, about 30 ms per step on 2 CPU cores).
+    ``u`` [b, 1] holds those numbers, in [0, 1); drawn from ``generator`` when not given."""
     cdf = logits.softmax(-1).cumsum(-1)
-    u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
+    if u is None:
+        u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device)
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
 
 
 def _positions(mask: torch.Tensor) -> torch.Tensor:
@@ -83,51 +122,232 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return logits
 
 
+MIN_SHARED_PREFIX = 8  # a common prompt prefix shorter than this is prefilled with the rest of each prompt
+COMPACT_AT = 0.75  # finished rows leave the batch once the live ones are at most this share of it
+
+
 @torch.no_grad()
 def generate(model, tok, chats: list[list[dict]], sampling: Sampling, stop_ids: list[int],
-             generator: torch.Generator | None = None) -> Generated:
-    """Sample one reply per chat, all chats in one batch, with a KV cache."""
+             generator: torch.Generator | None = None, *, compact: bool = True,
+             share_prefix: bool = True, preallocate: bool = True) -> Generated:
+    """Sample one reply per chat, all chats in one batch, with a KV cache.
+
+    ``share_prefix``: the longest token prefix common to every prompt (system prompt, chat
+    template, task preamble) is prefilled once and its cache shared by all rows. ``compact``: rows
+    whose reply has ended leave the batch (when at most ``COMPACT_AT`` of its rows are live).
+    ``preallocate``: the KV cache reserves room for the replies instead of growing by
+    concatenation at every token. None of them changes the replies: the sampler draws a uniform
+    number for each of the B rows at every step whichever rows are still in the batch, so a
+    seeded ``generator`` gives the same tokens and log-probabilities up to float rounding, which
+    other batch shapes change (within 1e-5 in fp32; in bf16 a sampled token can then differ, and
+    the reply goes on differently from there).
+    Stop strings work as without them (checked on every row's reply so far)."""
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = encode_chats(tok, chats, device)
-    B = prompt_ids.shape[0]
-    pad = tok.pad_token_id
-    stops = torch.tensor(stop_ids, device=device)
-    temp = sampling.temperature if sampling.temperature > 0 else 1.0
-    mask = prompt_mask.long()
-    out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=_positions(mask),
-                use_cache=True, logits_to_keep=1)
-    past, logits = getattr(out, _CACHE), out.logits[:, -1]
+    B, P = prompt_ids.shape
+    lengths = prompt_mask.sum(1)
+    shared = _common_prefix(prompt_ids, lengths)
+    pad, stops, R = tok.pad_token_id, torch.tensor(stop_ids, device=device), sampling.max_new_tokens
+    room = R if preallocate else None
+    state = None
+    if share_prefix and shared >= MIN_SHARED_PREFIX:
+        state = _prefill_shared(model, prompt_ids, prompt_mask, shared, room)
+    past, logits, mask, spent = state or _prefill(model, prompt_ids, prompt_mask, room)
+    rows = torch.arange(B, device=device)  # [b] the prompt of each row of the batch
+    attn = torch.cat([mask, mask.new_zeros(B, R)], 1)  # [b, P + R] attention mask; the first K columns in use
+    K = P
+    pos = lengths.clone()  # [b] position of the token each row is fed next
     tokens, logps, valid = [], [], []
     done = torch.zeros(B, dtype=torch.bool, device=device)  # the reply has ended before this token
     ended = torch.zeros(B, dtype=torch.bool, device=device)  # ended by an end-of-turn token or stop string
     texts_so_far = [""] * B if sampling.stop else None
-    for _ in range(sampling.max_new_tokens):
-        logp = F.log_softmax(logits.float() / temp, dim=-1)
-        if sampling.temperature > 0:
-            nxt = _sample(_filter(logp, sampling.top_k, sampling.top_p), generator)
-        else:
-            nxt = logp.argmax(-1)
-        live = ~done
+    for step in range(R):
+        live = ~done[rows]
+        nxt, logp = _next_tokens(logits, sampling, generator, rows, B)
         nxt = torch.where(live, nxt, torch.full_like(nxt, pad))
-        tokens.append(nxt)
-        valid.append(live)
-        logps.append(logp.gather(-1, nxt[:, None]).squeeze(-1) * live)
-        hit = live & torch.isin(nxt, stops)
+        tokens.append(_scatter(nxt, rows, B, pad))
+        valid.append(_scatter(live, rows, B, False))
+        logps.append(_scatter(logp * live, rows, B, 0.0))
+        hit = valid[-1] & torch.isin(tokens[-1], stops)
         if texts_so_far is not None:
-            hit |= _stop_string_hit(tok, nxt, done, texts_so_far, sampling.stop)
+            hit |= _stop_string_hit(tok, tokens[-1], done, texts_so_far, sampling.stop)
         ended |= hit
         done = done | hit
-        if bool(done.all()):
+        if step == R - 1 or bool(done.all()):  # the last token is not fed back
             break
-        mask = torch.cat([mask, live.long()[:, None]], dim=1)
-        out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=_positions(mask)[:, -1:],
+        attn[:, K] = live
+        K += 1
+        if compact:
+            keep = _rows_to_keep(done[rows])
+            if keep is not None:
+                past.batch_select_indices(keep)
+                rows, attn, pos, nxt = rows[keep], attn[keep], pos[keep], nxt[keep]
+        spent += Work(decode_tokens=len(rows), decode_context=len(rows) * K, logits=len(rows))
+        out = model(input_ids=nxt[:, None], attention_mask=attn[:, :K], position_ids=pos[:, None],
                     use_cache=True, **{_CACHE: past})
         past, logits = getattr(out, _CACHE), out.logits[:, -1]
+        pos = pos + 1
     response_ids = torch.stack(tokens, 1)
     response_mask = torch.stack(valid, 1)
     logprobs = torch.stack(logps, 1)
     texts = tok.batch_decode(response_ids, skip_special_tokens=True)
-    return Generated(prompt_ids, prompt_mask, response_ids, response_mask, logprobs, ~ended, texts)
+    work = needed_work(prompt_ids, prompt_mask, response_mask)
+    return Generated(prompt_ids, prompt_mask, response_ids, response_mask, logprobs, ~ended, texts, work, spent)
+
+
+def _common_prefix(ids: torch.Tensor, lengths: torch.Tensor) -> int:
+    """How many tokens at the start of every prompt are the same in all of them (left-padded
+    ``ids`` [B, P], ``lengths`` [B]); at most the shortest prompt less one, so that every row keeps a
+    token of its own; 0 for a single prompt."""
+    B, P = ids.shape
+    n = int(lengths.min()) - 1
+    if B < 2 or n <= 0:
+        return 0
+    head = ids.gather(1, (P - lengths)[:, None] + torch.arange(n, device=ids.device))  # [B, n]
+    return int((head == head[:1]).all(0).long().cumprod(0).sum())
+
+
+def _prefill(model, ids: torch.Tensor, mask: torch.Tensor, room: int | None):
+    """All prompts ``ids`` [B, P] (left-padded, ``mask`` [B, P]) in one forward pass. Returns the
+    cache (with ``room`` positions reserved, see :func:`_reserve`, unless None), the logits [B, V]
+    after each prompt, the attention mask [B, P] long and the work done."""
+    mask = mask.long()
+    out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True, logits_to_keep=1)
+    past = getattr(out, _CACHE)
+    if room is not None:
+        _reserve(past, room)
+    B, P = ids.shape
+    work = Work(prefill_tokens=B * P, prefill_context=causal_context(torch.full((B,), P)), logits=B)
+    return past, out.logits[:, -1], mask, work
+
+
+def _prefill_shared(model, ids: torch.Tensor, mask: torch.Tensor, shared: int, room: int | None):
+    """The first ``shared`` tokens of every prompt (the same in all) once at batch 1, then every
+    prompt's rest after them: since the prompts are left-padded, ``ids[:, shared:]`` holds each rest
+    right-aligned, and ``mask[:, :P - shared]`` marks it; the gap between the prefix and a shorter
+    rest is masked out and skipped by the positions. Returns as :func:`_prefill` (the attention
+    mask [B, P] is 1 on the prefix and on each rest), or None when the cache cannot be shared."""
+    B, P = ids.shape
+    start = P - int(mask[0].sum())
+    prefix = ids[:1, start:start + shared]
+    out = model(input_ids=prefix, position_ids=torch.arange(shared, device=ids.device)[None],
+                use_cache=True, logits_to_keep=1)
+    past = getattr(out, _CACHE)
+    if not _broadcast_cache(past, B):
+        return None
+    if room is not None:
+        _reserve(past, P - shared + room)
+    full = torch.cat([mask.new_ones(B, shared), mask[:, :P - shared]], 1).long()
+    out = model(input_ids=ids[:, shared:], attention_mask=full, position_ids=_positions(full)[:, shared:],
+                use_cache=True, logits_to_keep=1, **{_CACHE: past})
+    rest = torch.full((B,), P - shared)
+    work = Work(prefill_tokens=shared + B * (P - shared), logits=1 + B,
+                prefill_context=causal_context(torch.tensor([shared])) + causal_context(rest, shared))
+    return getattr(out, _CACHE), out.logits[:, -1], full, work
+
+
+def _broadcast_cache(past, B: int) -> bool:
+    """Make a batch-1 KV cache one of ``B`` rows in place, as an expanded view (the next update
+    concatenates it into a new tensor anyway). False, with the cache untouched, for caches other
+    than plain full-attention ``DynamicLayer`` ones."""
+    if not _plain(past):
+        return False
+    for layer in past.layers:
+        layer.keys = layer.keys.expand(B, -1, -1, -1)
+        layer.values = layer.values.expand(B, -1, -1, -1)
+    return True
+
+
+def _plain(past) -> bool:
+    """Whether ``past`` is a cache of full-attention ``DynamicLayer`` layers only."""
+    layers = getattr(past, "layers", None)
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+
+def _reserve(past, room: int) -> None:
+    """Give every layer of a plain cache (see :func:`_plain`; others are left as they are) room for
+    ``room`` more positions, written in place instead of concatenated."""
+    if _plain(past):
+        past.layers = [_ReservedLayer(layer.keys, layer.values, room) for layer in past.layers]
+
+
+class _ReservedLayer(DynamicLayer):
+    """A full-attention cache layer with room reserved up front: ``update`` writes the new keys and
+    values [b, h, s, d] after the ``n`` cached ones and returns views of the first ``n + s``
+    positions, instead of concatenating (which copies the whole cache at every token). Past its
+    room it falls back to concatenation."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int):
+        super().__init__()
+        b, h, n, d = keys.shape
+        self._k = keys.new_empty(b, h, n + room, d)
+        self._v = values.new_empty(b, h, n + room, values.shape[-1])
+        self._k[:, :, :n], self._v[:, :, :n] = keys, values
+        self.n, self.is_initialized, self.device = n, True, keys.device
+        self._view()
+
+    def _view(self) -> None:
+        self.keys, self.values = self._k[:, :, :self.n], self._v[:, :, :self.n]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        s = key_states.shape[-2]
+        if self.n + s > self._k.shape[-2]:  # out of room: grow as DynamicLayer does
+            self._k, self._v = torch.cat([self.keys, key_states], -2), torch.cat([self.values, value_states], -2)
+        else:
+            self._k[:, :, self.n:self.n + s], self._v[:, :, self.n:self.n + s] = key_states, value_states
+        self.n += s
+        self._view()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.n
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._k, self._v = self._k[indices], self._v[indices]
+        self._view()
+
+
+def _next_tokens(logits: torch.Tensor, sampling: Sampling, generator, rows: torch.Tensor, B: int):
+    """The next token [b] of each batch row from its ``logits`` [b, V], and its log-probability
+    [b] under log softmax(logits / T). Sampling draws one uniform number for each of the B prompts
+    (the same stream whichever rows are still in the batch) and uses those of ``rows`` [b]."""
+    temp = sampling.temperature if sampling.temperature > 0 else 1.0
+    logp = F.log_softmax(logits.float() / temp, dim=-1)
+    if sampling.temperature > 0:
+        u = torch.rand(B, 1, generator=generator, device=logp.device)
+        nxt = _sample(_filter(logp, sampling.top_k, sampling.top_p), generator, u if len(rows) == B else u[rows])
+    else:
+        nxt = logp.argmax(-1)
+    return nxt, logp.gather(-1, nxt[:, None]).squeeze(-1)
+
+
+def _scatter(x: torch.Tensor, rows: torch.Tensor, B: int, fill) -> torch.Tensor:
+    """Values ``x`` [b] of the batch rows as a [B] tensor over all prompts, ``fill`` elsewhere."""
+    if len(rows) == B:
+        return x
+    return x.new_full((B,), fill).index_copy_(0, rows, x)
+
+
+def _rows_to_keep(done: torch.Tensor) -> torch.Tensor | None:
+    """Indices of the batch rows still live (``done`` [b]) when few enough are to be worth the copy
+    of the cache, else None."""
+    keep = (~done).nonzero().squeeze(1)
+    return keep if len(keep) <= COMPACT_AT * len(done) else None
+
+
+def needed_work(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_mask: torch.Tensor) -> Work:
+    """What replies need, whichever implementation produced them (left-padded prompts [B, P],
+    right-padded replies [B, R]): every prompt token, with the prefix common to all prompts once
+    (see :func:`_common_prefix`); every generated token fed back but each reply's last; the logits
+    after each prompt and each fed-back token. No padding, no finished rows."""
+    lengths, replies = prompt_mask.sum(1).cpu(), response_mask.sum(1).cpu()
+    shared = _common_prefix(prompt_ids.cpu(), lengths)
+    rest = lengths - shared
+    fed = (replies - 1).clamp(min=0)
+    return Work(prefill_tokens=shared + float(rest.sum()),
+                prefill_context=causal_context(torch.tensor([shared])) + causal_context(rest, shared),
+                decode_tokens=float(fed.sum()), decode_context=causal_context(fed, lengths),
+                logits=float(replies.sum()))
 
 
 def _stop_string_hit(tok, nxt, done, texts, stop_strings) -> torch.Tensor:

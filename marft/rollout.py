@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from .envs.base import TeamEnv
-from .flops import causal_context, model_shape
+from .flops import model_shape
 from .generation import Sampling, generate
 from .models import TeamModel, stop_token_ids
 from .team import Team, agent_messages
@@ -151,9 +151,11 @@ def rollout(team: Team, models: TeamModel, make_env: Callable[[], TeamEnv], rese
 
     ``horizon`` bounds the steps (the environment normally ends its episodes itself). ``on_turn`` is
     called after every batched agent turn (progress display). ``env_timeout_s`` bounds each
-    ``reset`` and ``step`` of an episode's environment. ``fast`` is reserved for the sampling
-    loop's own fast path (not yet: both settings sample alike)."""
+    ``reset`` and ``step`` of an episode's environment. ``fast`` False: the plain sampling loop (no
+    shared-prefix prefill, finished rows kept in the batch, the KV cache grown by concatenation),
+    kept to measure against."""
     start = time.perf_counter()
+    engine = {} if fast else {"compact": False, "share_prefix": False, "preallocate": False}
     envs = [make_env() for _ in resets]
     E, H, N = len(envs), horizon, len(team.agents)
     concurrent = bool(envs) and getattr(envs[0], "concurrent_steps", False)
@@ -209,7 +211,7 @@ def rollout(team: Team, models: TeamModel, make_env: Callable[[], TeamEnv], rese
             chats = [read[e][1] for e in active]
             g0 = time.perf_counter()
             with models.acting(agent.name) as (model, tok):
-                out = generate(model, tok, chats, sampling, stop_token_ids(model, tok), generator)
+                out = generate(model, tok, chats, sampling, stop_token_ids(model, tok), generator, **engine)
                 gen_flops += generation_flops(model, out)
             gen_seconds += time.perf_counter() - g0
             for e, text in zip(active, out.texts):
@@ -246,11 +248,6 @@ def rollout(team: Team, models: TeamModel, make_env: Callable[[], TeamEnv], rese
 
 
 def generation_flops(model, out) -> float:
-    """FLOPs one batched ``generate`` call needed (marft.flops): every prompt token once (prefill),
-    every generated token but the last fed back (decode), each attending to its row's tokens
-    before it, and the output projection after each prompt and each fed-back token; no padding."""
-    prompt = out.prompt_mask.sum(1).cpu()
-    replies = out.response_mask.sum(1).cpu()
-    fed = (replies - 1).clamp(min=0)  # the last token of a reply is sampled, never fed back
-    context = causal_context(prompt) + causal_context(fed, prompt)
-    return model_shape(model).forward(float(prompt.sum() + fed.sum()), context, float(len(prompt) + fed.sum()))
+    """FLOPs one batched ``generate`` call needed (``Generated.work``, see marft.flops: no padding,
+    no finished rows, the prefix common to every prompt once)."""
+    return out.work.flops(model_shape(model)) if out.work is not None else 0.0

@@ -1,9 +1,16 @@
-"""The sampler and the top-k / top-p filter, against hand values."""
+"""The sampler and the top-k / top-p filter against hand values; ``generate``'s fast paths (shared
+prompt prefix, compaction of finished rows, reserved KV cache) against the plain sampling loop on the
+tiny fp32 model, and its work counters."""
 import math
 
+import pytest
 import torch
+import torch.nn.functional as F
 
-from marft.generation import _filter, _sample
+from marft.flops import model_shape
+from marft.generation import (_CACHE, Sampling, _common_prefix, _filter, _positions, _ReservedLayer, _sample,
+                              _stop_string_hit, encode_chats, generate, sequence_logprobs)
+from marft.models import load_base
 
 
 def test_sampler_follows_the_distribution_and_never_picks_masked_tokens():
@@ -34,3 +41,175 @@ def test_top_k_and_top_p_filters():
     assert torch.isfinite(_filter(logits, 0, 0.8)[0]).tolist() == [True, True, False, False]
     assert torch.isfinite(_filter(logits, 0, 0.9)[0]).tolist() == [True, True, True, False]
     assert torch.isfinite(_filter(logits, 0, 0.5)[0]).tolist() == [True, False, False, False]
+
+
+# --- generate: prefix sharing, compaction and the reserved cache against the plain loop --------
+
+SYSTEM = "You are the planner of a team that solves problems together."
+# prompts of different lengths after a common prefix of about 40 tokens (system turn + "Calculate")
+CHATS = [[{"role": "system", "content": SYSTEM},
+          {"role": "user", "content": "Calculate " + " + ".join(str(j) for j in range(i + 1)) + "."}]
+         for i in range(6)]
+# generate's switches: all on (the defaults), all off, then each on alone
+FAST_PATHS = [{}, {"compact": False, "share_prefix": False, "preallocate": False},
+              {"share_prefix": False, "preallocate": False}, {"compact": False, "preallocate": False},
+              {"compact": False, "share_prefix": False}]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    model, tok = load_base(str(tiny_model_dir), "float32", "cpu")
+    # a frequent set of stop tokens, so that replies end at many different steps
+    return model, tok, list(range(0, len(tok), 5))
+
+
+@torch.no_grad()
+def plain_generate(model, tok, chats, sampling, stop_ids, generator):
+    """The sampling loop before prefix sharing, compaction and preallocation: the reference."""
+    ids, pmask = encode_chats(tok, chats, "cpu")
+    B, temp = len(chats), sampling.temperature if sampling.temperature > 0 else 1.0
+    mask = pmask.long()
+    out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True, logits_to_keep=1)
+    past, logits = getattr(out, _CACHE), out.logits[:, -1]
+    tokens, logps, valid = [], [], []
+    done = torch.zeros(B, dtype=torch.bool)
+    texts = [""] * B
+    for _ in range(sampling.max_new_tokens):
+        logp = F.log_softmax(logits.float() / temp, dim=-1)
+        if sampling.temperature > 0:
+            nxt = _sample(_filter(logp, sampling.top_k, sampling.top_p), generator)
+        else:
+            nxt = logp.argmax(-1)
+        live = ~done
+        nxt = torch.where(live, nxt, torch.full_like(nxt, tok.pad_token_id))
+        tokens.append(nxt)
+        valid.append(live)
+        logps.append(logp.gather(-1, nxt[:, None]).squeeze(-1) * live)
+        hit = live & torch.isin(nxt, torch.tensor(stop_ids))
+        if sampling.stop:
+            hit |= _stop_string_hit(tok, nxt, done, texts, sampling.stop)
+        done = done | hit
+        if bool(done.all()):
+            break
+        mask = torch.cat([mask, live.long()[:, None]], 1)
+        out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=_positions(mask)[:, -1:],
+                    use_cache=True, **{_CACHE: past})
+        past, logits = getattr(out, _CACHE), out.logits[:, -1]
+    return ids, pmask, torch.stack(tokens, 1), torch.stack(valid, 1), torch.stack(logps, 1)
+
+
+SAMPLINGS = [Sampling(temperature=1.0, max_new_tokens=14),
+             Sampling(temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=14),
+             Sampling(temperature=0.0, max_new_tokens=14),
+             Sampling(temperature=1.0, max_new_tokens=14, stop=("e",))]
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["T1", "T0.7-top", "greedy", "stop-string"])
+def test_every_path_gives_the_replies_of_the_plain_loop(tiny, sampling):
+    model, tok, stops = tiny
+    want = plain_generate(model, tok, CHATS, sampling, stops, torch.Generator().manual_seed(0))
+    ids, pmask, want_ids, want_mask, want_lp = want
+    lengths = want_mask.sum(1)
+    assert len(set(lengths.tolist())) >= 3, lengths  # replies end at different steps: rows leave the batch
+    for flags in FAST_PATHS:
+        got = generate(model, tok, CHATS, sampling, stops, torch.Generator().manual_seed(0), **flags)
+        assert torch.equal(got.prompt_ids, ids) and torch.equal(got.prompt_mask, pmask), flags  # layout kept
+        assert torch.equal(got.response_ids, want_ids) and torch.equal(got.response_mask, want_mask), flags
+        assert torch.allclose(got.logprobs, want_lp, atol=1e-5, rtol=0), (flags, (got.logprobs - want_lp).abs().max())
+        assert got.texts == tok.batch_decode(want_ids, skip_special_tokens=True)
+        if not sampling.stop:  # a reply ends with a stop token, or is cut at max_new_tokens
+            last = want_ids.gather(1, (lengths - 1)[:, None])[:, 0]
+            assert torch.equal(got.truncated, ~torch.isin(last, torch.tensor(stops))), flags
+
+
+def test_the_fast_path_computes_less_and_counts_the_needed_work(tiny):
+    model, tok, stops = tiny
+    sampling = Sampling(temperature=1.0, max_new_tokens=14)
+    plain = generate(model, tok, CHATS, sampling, stops, torch.Generator().manual_seed(0),
+                     compact=False, share_prefix=False, preallocate=False)
+    fast = generate(model, tok, CHATS, sampling, stops, torch.Generator().manual_seed(0))
+    B, P = plain.prompt_ids.shape
+    R = plain.response_ids.shape[1]
+    shared = _common_prefix(plain.prompt_ids, plain.prompt_mask.sum(1))
+    assert shared >= 30  # the system turn and "Calculate"
+    # what was computed: the plain loop runs every padded position and every row at every step
+    assert plain.spent.prefill_tokens == B * P and plain.spent.decode_tokens == B * (R - 1)
+    assert fast.spent.prefill_tokens == shared + B * (P - shared)
+    assert fast.spent.decode_tokens < plain.spent.decode_tokens  # finished rows left the batch
+    assert fast.spent.decode_context < plain.spent.decode_context
+    # what is needed does not depend on the path: prompts with the prefix once, each reply's tokens
+    # but its last fed back, logits for every generated token
+    assert plain.work == fast.work
+    n, L = fast.response_mask.sum(1), fast.prompt_mask.sum(1)
+    assert fast.work.prefill_tokens == int(L.sum()) - (B - 1) * shared
+    assert fast.work.decode_tokens == int(n.sum()) - B and fast.work.logits == int(n.sum())
+    assert fast.work.decode_context == sum(int(L[b]) + i + 1 for b in range(B) for i in range(int(n[b]) - 1))
+    assert fast.work.prefill_context == (sum(range(1, shared + 1))
+                                         + sum(shared + j + 1 for b in range(B) for j in range(int(L[b]) - shared)))
+    for w in (fast.work, fast.spent, plain.spent):
+        assert w.prefill_tokens <= plain.spent.prefill_tokens and w.decode_tokens <= plain.spent.decode_tokens
+    shape = model_shape(model)
+    w = fast.work
+    assert w.flops(shape) == shape.forward(w.prefill_tokens + w.decode_tokens, w.prefill_context + w.decode_context, w.logits)
+    assert fast.work.flops(shape) < fast.spent.flops(shape) < plain.spent.flops(shape)
+    assert (fast.work + plain.work).logits == 2 * fast.work.logits
+
+
+def test_recorded_logprobs_equal_the_teacher_forced_ones(tiny):
+    model, tok, stops = tiny
+    sampling = Sampling(temperature=0.7, max_new_tokens=14)
+    out = generate(model, tok, CHATS, sampling, stops, torch.Generator().manual_seed(1))
+    lp = sequence_logprobs(model, out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask, 0.7)
+    assert torch.allclose(lp, out.logprobs, atol=1e-5), (lp - out.logprobs).abs().max()
+
+
+def test_a_single_prompt_and_identical_prompts(tiny):
+    model, tok, stops = tiny
+    sampling = Sampling(temperature=1.0, max_new_tokens=10)
+    one = generate(model, tok, CHATS[:1], sampling, stops, torch.Generator().manual_seed(2))
+    assert one.spent.prefill_tokens == one.prompt_ids.shape[1]  # nothing to share in one row
+    same = generate(model, tok, [CHATS[0]] * 4, sampling, stops, torch.Generator().manual_seed(2))
+    L = int(same.prompt_mask[0].sum())
+    assert same.spent.prefill_tokens == (L - 1) + 4  # all but the last token shared
+    want = plain_generate(model, tok, [CHATS[0]] * 4, sampling, stops, torch.Generator().manual_seed(2))
+    assert torch.equal(same.response_ids, want[2]) and torch.allclose(same.logprobs, want[4], atol=1e-5)
+
+
+def test_common_prefix_of_left_padded_prompts():
+    pad = 0
+    ids = torch.tensor([[pad, pad, 5, 6, 7, 8], [5, 6, 7, 9, 1, 2], [pad, 5, 6, 7, 8, 3]])
+    assert _common_prefix(ids, (ids != pad).sum(1)) == 3
+    same = torch.tensor([[pad, 5, 6, 7], [pad, 5, 6, 7]])
+    assert _common_prefix(same, (same != pad).sum(1)) == 2  # every row keeps its last token
+    assert _common_prefix(ids[:1], torch.tensor([4])) == 0
+    other = torch.tensor([[1, 2, 3], [4, 2, 3]])
+    assert _common_prefix(other, torch.tensor([3, 3])) == 0
+
+
+def test_reserved_cache_layer_matches_concatenation():
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(3, 2, 5, 4, generator=g), torch.randn(3, 2, 5, 4, generator=g)
+    layer = _ReservedLayer(k, v, room=2)
+    steps = [(torch.randn(3, 2, 1, 4, generator=g), torch.randn(3, 2, 1, 4, generator=g)) for _ in range(3)]
+    want_k, want_v = k, v
+    for i, (nk, nv) in enumerate(steps):  # the third step is past the room: concatenation
+        got_k, got_v = layer.update(nk, nv)
+        want_k, want_v = torch.cat([want_k, nk], -2), torch.cat([want_v, nv], -2)
+        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v) and layer.get_seq_length() == 6 + i
+    layer.batch_select_indices(torch.tensor([2, 0]))
+    assert torch.equal(layer.keys, want_k[[2, 0]]) and torch.equal(layer.values, want_v[[2, 0]])
+
+
+def test_sampler_uses_the_given_uniform_numbers():
+    logits = torch.randn(8, 50)
+    u = torch.rand(8, 1, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(_sample(logits, None, u), _sample(logits, torch.Generator().manual_seed(3)))
+
+
+def test_replies_cut_at_max_new_tokens_do_not_feed_their_last_token(tiny):
+    model, tok, _ = tiny
+    for flags in FAST_PATHS:
+        out = generate(model, tok, CHATS, Sampling(temperature=1.0, max_new_tokens=3), [],
+                       torch.Generator().manual_seed(0), **flags)
+        assert out.truncated.all() and out.response_mask.all()
+        assert out.spent.decode_tokens == len(CHATS) * 2 == out.work.decode_tokens, flags

@@ -1,5 +1,7 @@
 """Models, adapters and rollout on a tiny random chat model: one base copy per team, adapter
 isolation, the reference policy, recorded log-probabilities, and what each prompt contains."""
+import functools
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -146,7 +148,7 @@ def test_each_prompt_holds_exactly_its_predecessors_replies(tiny_model_dir, monk
     _, team, models = make([f"team.agents={agents}", f"team.graph={graph}"], tiny_model_dir)
     real = rollout_module.generate
 
-    def marked(model, tok, chats, sampling, stop_ids, generator):
+    def marked(model, tok, chats, sampling, stop_ids, generator, **kw):
         out = real(model, tok, chats, sampling, stop_ids, generator)
         name = chats[0][0]["content"].split()[-1].rstrip(".")
         out.texts = [f"MARK_{name}_{i}" for i in range(len(chats))]
@@ -173,3 +175,21 @@ def test_multi_turn_feedback_reaches_the_team(tiny_model_dir):
         tok = next(iter(models.tokenizers.values()))
         assert "Feedback: wrong" in tok.decode(second[0].prompt_ids[0], skip_special_tokens=True)
         assert (out.steps[~out.success] == 2).all()
+
+
+def test_generate_fast_paths_play_the_same_rollout_as_the_plain_loop(tiny_model_dir, monkeypatch):
+    """Prefix sharing, compaction and the reserved cache (generate's defaults) change no episode."""
+    _, team, models = make(["team.preset=trio"], tiny_model_dir)
+    for adapter in team.adapters:
+        perturb(models, adapter, seed=len(adapter))
+    sampling = Sampling(temperature=1.0, max_new_tokens=12)
+    fast = play(team, models, n=6, sampling=sampling)
+    monkeypatch.setattr(rollout_module, "generate", functools.partial(
+        rollout_module.generate, compact=False, share_prefix=False, preallocate=False))
+    plain = play(team, models, n=6, sampling=sampling)
+    assert [(t.step, t.agent) for t in fast.turns] == [(t.step, t.agent) for t in plain.turns]
+    for f, p in zip(fast.turns, plain.turns):
+        assert torch.equal(f.prompt_ids, p.prompt_ids) and torch.equal(f.response_ids, p.response_ids)
+        assert torch.equal(f.response_mask, p.response_mask) and f.texts == p.texts
+        assert torch.allclose(f.logprobs, p.logprobs, atol=1e-5)
+    assert torch.equal(fast.rewards, plain.rewards)
