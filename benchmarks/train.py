@@ -134,7 +134,8 @@ def main() -> None:
                      ("fast without the shared prefix", {"SHARE_PREFIX": False}),
                      ("fast without the fused log-prob/entropy pass", {"FUSED": False}),
                      ("fast without the first minibatch's behaviour log-probs", {"REUSE_FIRST": False}),
-                     ("fast without eager attention (flash-attention kernel)", {"EAGER_ON_CPU": False})]
+                     ("fast with transformers' eager attention instead of marft_cpu", {"CPU_ATTENTION": "eager"}),
+                     ("fast with the model's attention (PyTorch's flash kernel)", {"CPU_ATTENTION": None})]
         for label, flags in ablations:
             saved = {k: getattr(packing, k) for k in flags}
             for k, v in flags.items():

@@ -14,7 +14,8 @@ a float32 log-softmax over the whole vocabulary at every reply position. Here in
   prompt ends) runs once with batch 1; its keys and values are expanded to every row and the rows'
   remainders run on top of them (:func:`final_hidden`); gradients flow through the expansion back
   into the shared prefix, summed over rows, exactly as if each row had computed it;
-- on a CPU the passes use eager attention (PyTorch's CPU flash-attention backward is slow in bf16);
+- on a CPU the passes use :mod:`marft.attention` (PyTorch's CPU flash-attention backward is slow
+  in bf16; transformers' eager attention keeps every layer's probabilities);
 - the output projection runs only at the positions that predict a reply token, and the
   log-probabilities of the taken tokens and the entropies come from one chunked pass in the model's
   dtype with float32 accumulation (:mod:`marft.logits`), never a [b, R, V] float32 tensor.
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import attention as cpu_attention
 from .flops import causal_context
 from .logits import token_logprobs_and_entropy
 
@@ -39,7 +41,7 @@ from .logits import token_logprobs_and_entropy
 SHARE_PREFIX = True  # run the rows' common prefix once
 FUSED = True  # chunked log-prob/entropy pass (marft.logits) instead of a float32 log-softmax
 REUSE_FIRST = True  # the first minibatch's behaviour log-probs from its own pass (marft.trainer)
-EAGER_ON_CPU = True  # eager attention for the learner's passes on a CPU
+CPU_ATTENTION = "marft_cpu"  # the learner's attention on a CPU: marft_cpu, eager, or None (the model's: sdpa)
 
 
 @dataclass
@@ -122,14 +124,17 @@ def _cache_kw() -> str:
 
 @contextlib.contextmanager
 def _attention_for_learning(model, device):
-    """On a CPU, the learner's passes use transformers' eager attention (matrix products and a
-    float32 softmax): measured 2.5x faster forward + backward than PyTorch's CPU flash-attention
-    kernel in bf16 at these lengths (benchmarks/train.py); elsewhere the model's own choice."""
+    """On a CPU, the learner's passes use :mod:`marft.attention` (matrix products, float32 softmax,
+    probabilities recomputed in the backward): faster than PyTorch's CPU flash-attention kernel in
+    bf16 and lighter than transformers' eager attention. Elsewhere the model's own choice."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     before = base.config._attn_implementation
-    switch = device.type == "cpu" and EAGER_ON_CPU and before != "eager" and hasattr(base, "set_attn_implementation")
+    want = CPU_ATTENTION if device.type == "cpu" else None
+    switch = bool(want) and before != want and hasattr(base, "set_attn_implementation")
     if switch:
-        base.set_attn_implementation("eager")
+        if want == cpu_attention.NAME:
+            cpu_attention.register()
+        base.set_attn_implementation(want)
     try:
         yield
     finally:

@@ -1,0 +1,80 @@
+"""Attention for the learner's passes on a CPU: matrix products and a fused float32 softmax, like
+transformers' eager attention, with a hand-written backward that keeps only the bf16 probabilities
+(eager attention's autograd also keeps float32 copies of the scores and the softmax).
+
+Why: PyTorch's CPU flash-attention kernel runs its backward at about 40 GFLOP/s in bf16 at these
+lengths (50 ms per layer for [8, 9, 153, 64] queries over 201 keys, against 20 ms for matrix
+products and a float32 softmax); eager attention is fast but keeps about 0.28 MB per token more
+over SmolLM2's 30 layers. Measured on 32 solver replies of the default duo (4 micro-batches,
+forward + backward, best of 3 interleaved rounds, bf16, 2 threads): this 9.8 s, eager 10.4 s,
+PyTorch's flash kernel (sdpa) 12.6 s; saved activations 0.72 MB per token against 0.95 (eager)
+and 0.71 (sdpa).
+
+With s = q k^T * scale + mask, p = softmax(s) (float32 inside, stored in q's dtype), o = p v, and
+upstream gradient do, the backward is::
+
+    dv = p^T do,   dp = do v^T,   ds = p (dp - rowsum(dp * p)) * scale,   dq = ds k,   dk = ds^T q
+
+Grouped-query attention is handled without repeating keys and values: the query heads of a group
+are stacked along the query axis. Registered with transformers as ``marft_cpu`` (attention, and
+the eager implementation's additive mask, always materialised).
+"""
+from __future__ import annotations
+
+import torch
+
+NAME = "marft_cpu"
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scale):
+        # q [b, kvh, g, Lq, d]; k, v [b, kvh, Lk, d]; mask [b, 1, 1, Lq, Lk] additive (q's dtype) or None
+        b, kvh, g, Lq, d = q.shape
+        s = (q.reshape(b, kvh, g * Lq, d) @ k.transpose(-1, -2)).view(b, kvh, g, Lq, -1).mul_(scale)
+        if mask is not None:
+            s.add_(mask)
+        p = torch.softmax(s, -1, dtype=torch.float32).to(q.dtype)  # one fused pass, float32 inside
+        o = (p.view(b, kvh, g * Lq, -1) @ v).view(b, kvh, g, Lq, d)
+        ctx.save_for_backward(q, k, v, p)
+        ctx.scale = scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, p = ctx.saved_tensors
+        b, kvh, g, Lq, d = q.shape
+        flat = lambda x: x.reshape(b, kvh, g * Lq, -1)  # noqa: E731
+        do = do.contiguous()
+        dv = flat(p).transpose(-1, -2) @ flat(do)
+        dp = (flat(do) @ v.transpose(-1, -2)).view_as(p)
+        # softmax's backward, p (dp - rowsum(dp * p)), fused, in float32
+        ds = torch.ops.aten._softmax_backward_data(dp.float(), p.float(), -1, torch.float32).mul_(ctx.scale).to(q.dtype)
+        dq = (flat(ds) @ k).view_as(q)
+        dk = flat(ds).transpose(-1, -2) @ flat(q)
+        return dq, dk, dv, None, None
+
+
+def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """transformers' attention-function signature: query [b, h, Lq, d], key/value [b, kvh, Lk, d],
+    ``attention_mask`` additive [b, 1, Lq, Lk] or None; returns ([b, Lq, h, d], None)."""
+    if dropout and module.training:
+        raise ValueError("marft_cpu attention has no dropout; use the model's own attention")
+    b, h, Lq, d = query.shape
+    kvh = key.shape[1]
+    q = query.view(b, kvh, h // kvh, Lq, d)
+    mask = None
+    if attention_mask is not None:
+        mask = attention_mask[:, :, :, : key.shape[-2]].to(query.dtype).unsqueeze(2)  # [b, 1, 1, Lq, Lk]
+    o = _Attention.apply(q, key, value, mask, float(scaling))
+    return o.view(b, h, Lq, d).transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    """Register ``marft_cpu`` with transformers (attention and mask); returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+
+    AttentionInterface.register(NAME, attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, eager_mask)
+    return NAME
