@@ -2,13 +2,13 @@
 transformers' eager attention, with a hand-written backward that keeps only the bf16 probabilities
 (eager attention's autograd also keeps float32 copies of the scores and the softmax).
 
-Why: PyTorch's CPU flash-attention kernel runs its backward at about 40 GFLOP/s in bf16 at these
-lengths (50 ms per layer for [8, 9, 153, 64] queries over 201 keys, against 20 ms for matrix
-products and a float32 softmax); eager attention is fast but keeps about 0.28 MB per token more
-over SmolLM2's 30 layers. Measured on 32 solver replies of the default duo (4 micro-batches,
-forward + backward, best of 3 interleaved rounds, bf16, 2 threads): this 9.8 s, eager 10.4 s,
-PyTorch's flash kernel (sdpa) 12.6 s; saved activations 0.72 MB per token against 0.95 (eager)
-and 0.71 (sdpa).
+Why (``benchmarks/attention.py``, bf16, 2 threads, Intel Xeon with AMX): PyTorch's CPU
+flash-attention kernel is slow in bf16 at these lengths (one layer's forward + backward on
+[8, 9, 153, 64] queries over 201 keys: 35.7 ms, eager attention 14.3 ms, this 21.7 ms), and eager
+attention keeps float32 copies of every layer's scores and softmax. Over the learner's passes on 32
+solver replies of the default duo (4 micro-batches, 3 interleaved rounds) this measured 10.25 s
+best, eager 11.79 s, PyTorch's kernel 14.36 s, with 0.59, 0.81 and 0.58 MB per token saved for the
+backward.
 
 With s = q k^T * scale + mask, p = softmax(s) (float32 inside, stored in q's dtype), o = p v, and
 upstream gradient do, the backward is::

@@ -36,7 +36,6 @@ def _last_hidden(model, ids: torch.Tensor, mask: torch.Tensor, work=None) -> tor
         n = mask.sum(1)
         work.tokens += float(n.sum())
         work.context += causal_context(n)
-        work.rows += len(n)
 
     out = model(input_ids=ids, attention_mask=mask.long(), position_ids=_positions(mask.long()),
                 output_hidden_states=True, logits_to_keep=1)

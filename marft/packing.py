@@ -66,12 +66,15 @@ class Work:
     tokens: float = 0.0
     context: float = 0.0
     logits: float = 0.0
-    rows: int = 0
     padded: float = 0.0  # padding positions computed (not part of the needed work)
 
     def add(self, other: "Work") -> None:
-        for k in ("tokens", "context", "logits", "rows", "padded"):
+        for k in ("tokens", "context", "logits", "padded"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
+
+    def flops(self, shape, backward: bool = False) -> float:
+        """FLOPs of this work for a :class:`marft.flops.ModelShape`: forward, or forward + backward."""
+        return (shape.forward_backward if backward else shape.forward)(self.tokens, self.context, self.logits)
 
 
 def unpad(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
@@ -219,7 +222,7 @@ def work_of(rows: list[Row], prefix: int, width: int | None = None) -> Work:
     width = int(lengths.max()) if width is None else width
     return Work(tokens=prefix + float(lengths.sum()),
                 context=causal_context(torch.tensor([prefix])) + causal_context(lengths, prefix),
-                logits=float(sum(r.n_resp for r in rows)), rows=len(rows),
+                logits=float(sum(r.n_resp for r in rows)),
                 padded=float(len(rows) * width - lengths.sum()))
 
 

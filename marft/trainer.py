@@ -118,7 +118,7 @@ class Trainer:
         work = {"rollout": (out.gen_flops, times["generation_s"]),
                 "behaviour_logprobs": (self._flops["behaviour"], times["behaviour_logprobs_s"]),
                 "learner": (self._flops["learner"], times["learner_s"]),
-                "critic_features": (shape.forward(self._critic_work.tokens, self._critic_work.context, 0), times["critic_features_s"])}
+                "critic_features": (self._critic_work.flops(shape), times["critic_features_s"])}
         rate = flops.machine_rate(self._base())
         mfu = {f"mfu/{k}": flops.mfu(f, s, rate) for k, (f, s) in work.items()}
         mfu["mfu/iteration"] = flops.mfu(sum(f for f, _ in work.values()), total, rate)
@@ -367,8 +367,7 @@ class Trainer:
             return 0.0
         tr = self.cfg.train
         w = packing.needed_work([self._rows[i][r] for i, r in rows], tr.micro_batch_tokens, tr.micro_batch_size)
-        shape = self._shape(adapter)
-        return (shape.forward_backward if backward else shape.forward)(w.tokens, w.context, w.logits)
+        return w.flops(self._shape(adapter), backward)
 
     def _skip_update(self) -> None:
         """Count a skipped policy update; ``train.max_bad_updates`` in a row stop the run."""
@@ -415,7 +414,7 @@ class Trainer:
         temp = self.cfg.rollout.temperature
         R = max(out.turns[i].response_ids.shape[1] for i, _ in mb)
         if self.cfg.train.fast:
-            lp, ent, work = packing.response_logprobs(model, [self._rows[i][r] for i, r in mb], temp, with_entropy)
+            lp, ent, _ = packing.response_logprobs(model, [self._rows[i][r] for i, r in mb], temp, with_entropy)
             rmask = self._gather(out, mb, "response_mask", R).to(lp.device)
             lp = torch.nn.functional.pad(lp, (0, R - lp.shape[1]))
             if ent is not None:
