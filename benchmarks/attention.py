@@ -28,6 +28,8 @@ from marft.cli import prepare  # noqa: E402
 from marft.config import load_config  # noqa: E402
 from marft.trainer import Trainer  # noqa: E402
 
+from common import CONFIG, PINNED  # noqa: E402
+
 CHOICES = {"marft_cpu (marft/attention.py)": "marft_cpu", "eager (transformers)": "eager",
            "sdpa (PyTorch's kernel, the model's default)": None}
 
@@ -67,8 +69,7 @@ def one_layer() -> None:
 
 
 def learner() -> None:
-    cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs/duo_arithmetic.yaml"),
-                      ["threads=2", "output_dir=/tmp/marft-bench-attention"])
+    cfg = load_config(CONFIG, [*PINNED, "threads=2", "output_dir=/tmp/marft-bench-attention"])
     team, models, make_env = prepare(cfg)
     tr = Trainer(cfg, team, models, make_env, log=lambda m: None)
     out = tr._rollout(0)

@@ -15,9 +15,9 @@ Rows (each after a warm-up of its own path):
 Seconds are generation time only (rollout's ``gen_seconds``; for transformers, its ``generate``
 calls). MFU = needed FLOPs / seconds / the machine's matrix-multiply rate in the model's dtype
 (``marft.flops``); needed FLOPs count prompt and reply tokens only (no padding, no finished rows,
-the prompt prefix all rows of a batch share once), from each run's own replies. Temperature and
-max_new_tokens are pinned to the config's current values (0.7, 64) so that the figures do not move
-when the config does. Sampling differs between runs (bf16 rounding), so token counts differ a little.
+the prompt prefix all rows of a batch share once), from each run's own replies. The task, temperature
+and reply limits are pinned to those BENCHMARKS.md was measured with (``benchmarks/common.py``:
+chain_sum, 0.7, 64 tokens) so that the figures do not move when the main job's config does. Sampling differs between runs (bf16 rounding), so token counts differ a little.
 """
 from __future__ import annotations
 
@@ -37,15 +37,10 @@ from marft.flops import matmul_rate, model_shape  # noqa: E402
 from marft.generation import Sampling, encode_chats, generate, needed_work  # noqa: E402
 from marft.models import stop_token_ids  # noqa: E402
 
+from common import CONFIG, PINNED, cpu_name  # noqa: E402
+
 PATHS = [("marft rollout, new path", {}),
          ("marft rollout, old path", {"compact": False, "share_prefix": False, "preallocate": False})]
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def play(setup, resets, flags: dict, seed: int):
@@ -86,13 +81,12 @@ def hf_generate(models, agent: str, chats, sampling: Sampling):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "configs/duo_arithmetic.yaml"))
+    p.add_argument("--config", default=CONFIG)
     p.add_argument("--episodes", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
-    pinned = ["rollout.temperature=0.7", "rollout.max_new_tokens=64", f"threads={args.threads}"]
-    cfg = load_config(args.config, pinned + args.overrides)
+    cfg = load_config(args.config, [*PINNED, f"threads={args.threads}", *args.overrides])
     team, models, make_env = prepare(cfg)
     r = cfg.rollout
     sampling = Sampling(r.temperature, r.top_p, r.top_k, r.max_new_tokens, tuple(r.stop))
@@ -121,7 +115,7 @@ def main() -> None:
 
     print(f"# rollout generation: team {' -> '.join(team.names)}, {args.episodes} episodes, "
           f"<= {r.max_new_tokens} new tokens, T={r.temperature}, {dtype}, {torch.get_num_threads()} threads")
-    print(f"# CPU: {cpu_model()}; matrix-multiply rate ({dtype}, 2048^3): {rate / 1e12:.2f} TFLOP/s")
+    print(f"# CPU: {cpu_name()}; matrix-multiply rate ({dtype}, 2048^3): {rate / 1e12:.2f} TFLOP/s")
     hf_rate = rows[-1][1] / rows[-1][2]
     print("| path | generated tokens | seconds | tokens/s | MFU | computed / needed FLOPs | vs transformers generate |")
     print("|---|---|---|---|---|---|---|")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import platform
 import resource
 import sys
 import time
@@ -31,21 +30,13 @@ from marft.cli import prepare  # noqa: E402
 from marft.config import load_config  # noqa: E402
 from marft.trainer import Trainer  # noqa: E402
 
+from common import CONFIG, PINNED, cpu_name  # noqa: E402
+
 PARTS = [("rollout (generation)", "generation_s", "mfu/rollout"),
          ("critic features", "critic_features_s", "mfu/critic_features"),
          ("critic update", "critic_update_s", None),
          ("behaviour log-probs", "behaviour_logprobs_s", "mfu/behaviour_logprobs"),
          ("learner forward + backward", "learner_s", "mfu/learner")]
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def state(tr: Trainer) -> dict:
@@ -76,12 +67,12 @@ def policy_update_seconds(tr: Trainer, out, targets, s: dict) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "configs/duo_arithmetic.yaml"))
+    p.add_argument("--config", default=CONFIG)
     p.add_argument("--no-ablations", action="store_true")
     p.add_argument("--new-only", action="store_true", help="only the new path, two iterations: its own peak memory")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
-    cfg = load_config(args.config, ["threads=2", "output_dir=/tmp/marft-bench-train", *args.overrides])
+    cfg = load_config(args.config, [*PINNED, "threads=2", "output_dir=/tmp/marft-bench-train", *args.overrides])
     team, models, make_env = prepare(cfg)
     tr = Trainer(cfg, team, models, make_env, log=lambda m: None)
     base = tr._base()

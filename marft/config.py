@@ -76,6 +76,10 @@ class TeamConfig:
     (nobody sees anybody), or a mapping ``{agent: [agents it sees]}`` forming a DAG."""
     share_adapter: bool = False
     """MARFT-PS: every agent acts with (and trains) one shared adapter."""
+    max_new_tokens: dict = field(default_factory=dict)
+    """Agents' own reply limits by name, e.g. ``{planner: 32}`` (works with presets); an agent not
+    named here uses ``rollout.max_new_tokens``. Names of agents the team does not have are ignored
+    (so a config's limits survive ``team.preset=...``), unless they look like a misspelt agent name."""
 
 
 @dataclass
@@ -128,6 +132,9 @@ class EvalConfig:
     seed: int = 1234
     output: str = ""
     """Where the JSON result goes; empty: ``<run.output_dir>/eval.json``."""
+    transcripts: int = 4
+    """Keep the whole transcript (every agent's reply) of the first sample of the first n problems
+    in the JSON result, to read what the team does; 0 = none."""
     without: list[str] = field(default_factory=list)
     """Agents left out (they do not act; nobody sees their messages): what the others do alone."""
     before: bool = True
@@ -371,6 +378,7 @@ def validate(cfg: RunConfig) -> None:
     e = cfg.eval
     _check(e.problems >= 1, f"eval.problems must be at least 1, got {e.problems}")
     _check(e.samples >= 1, f"eval.samples must be at least 1, got {e.samples}")
+    _check(e.transcripts >= 0, f"eval.transcripts must be 0 (none) or more, got {e.transcripts}")
     _check(e.temperature >= 0, f"eval.temperature must be 0 (greedy) or positive, got {e.temperature}")
     t = cfg.task
     _check(t.kind in ("reasoning_gym", "math", "code", "custom"),

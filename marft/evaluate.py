@@ -77,6 +77,8 @@ def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progr
     errors: list[str] = []
     lengths: dict[str, list[float]] = {a: [] for a in team.names}
     truncated: dict[str, list[float]] = {a: [] for a in team.names}
+    kept = {i * k: i for i in range(min(ev.transcripts, n))}  # episode -> problem, first sample only
+    transcripts: dict[int, dict] = {}
     tokens, gen_seconds, start = 0, 0.0, time.perf_counter()
     done_eps = 0
     for lo in range(0, n * k, ro.episodes):
@@ -96,8 +98,16 @@ def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progr
         reward[lo:hi] = out.rewards.sum(1)
         steps[lo:hi] = out.steps.float()
         for t in out.turns:
+            for row, e in enumerate(t.episodes.tolist()):
+                if lo + e in kept:
+                    rec = transcripts.setdefault(lo + e, {"problem": kept[lo + e], "observation": t.states[row], "turns": []})
+                    rec["turns"].append({"step": t.step, "agent": t.agent, "reply": t.texts[row],
+                                         "truncated": bool(t.truncated[row])})
             lengths[t.agent] += t.response_mask.sum(1).float().tolist()
             truncated[t.agent] += t.truncated.float().tolist()
+        for e, rec in transcripts.items():
+            if lo <= e < hi:
+                rec.update(correct=bool(out.success[e - lo]), answer=out.infos[e - lo].get("answer"))
         gen_seconds += out.gen_seconds
         done_eps = hi
         if progress:
@@ -126,6 +136,7 @@ def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progr
         "temperature": ev.temperature,
         "seed": ev.seed,
         "per_problem_success": success.view(n, k).float().mean(1).tolist(),
+        "transcripts": [transcripts[e] for e in sorted(transcripts)],
     }
 
 

@@ -19,7 +19,9 @@ for other runs task, team, algorithm (``-ps`` with a shared adapter). Per group:
 
 Writes ``report.md`` and ``report.json`` and, per group without the algorithm axis, a PNG of the
 training curves (reward, training accuracy, then KL, entropy and value loss per agent), the
-seeds' mean per iteration.
+seeds' mean per iteration; and per run evaluated at three or more points (untrained, every
+``train.eval_every`` iterations, final), a learning curve: training reward and held-out accuracy
+with its interval against training minutes (``learning_<run>.png``).
 """
 from __future__ import annotations
 
@@ -316,6 +318,61 @@ def plot_curves(runs: list[RunInfo], out: Path) -> list[str]:
     return files
 
 
+def _evaluations(folder: Path) -> list[dict]:
+    """A run's held-out evaluations of the whole team, in training order: untrained, every
+    ``train.eval_every`` one, final (each with its ``iteration``)."""
+    paths = [folder / "eval_untrained.json", *sorted(folder.glob("eval_iter_*.json")), folder / "eval_final.json"]
+    out = []
+    for i, p in enumerate(paths):
+        r = _read_json(p) if p.is_file() else None
+        if r is not None and "accuracy" in r:
+            r.setdefault("iteration", 0 if i == 0 else None)
+            out.append(r)
+    return [r for r in out if r["iteration"] is not None]
+
+
+def plot_learning(runs: list[RunInfo], out: Path) -> list[str]:
+    """Per run with held-out evaluations at three or more points (untrained, at least one
+    ``train.eval_every`` one, final; a sweep's runs, evaluated twice, get none): training reward (each iteration and
+    a running mean over 5) and held-out accuracy with its 95% interval, against training minutes
+    (the iterations' own seconds summed; evaluation time not counted)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    for r in runs:
+        evals = _evaluations(r.folder)
+        if len(evals) < 3 or not r.metrics:
+            continue
+        minutes, total = {0: 0.0}, 0.0
+        for m in r.metrics:
+            total += float(m.get("seconds", 0.0)) / 60
+            minutes[int(m["iteration"])] = total
+        xs = [minutes[int(m["iteration"])] for m in r.metrics]
+        reward = [float(m["reward"]) for m in r.metrics]
+        smooth = [statistics.fmean(reward[max(0, i - 4):i + 1]) for i in range(len(reward))]
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=90)
+        ax.plot(xs, reward, color="tab:blue", alpha=0.3, linewidth=1)
+        ax.plot(xs, smooth, color="tab:blue", label="training reward (running mean of 5 iterations)")
+        ev = [(minutes.get(int(e["iteration"]), total), e) for e in evals]
+        ax.errorbar([x for x, _ in ev], [e["accuracy"] for _, e in ev],
+                    yerr=[[e["accuracy"] - e["ci95"][0] for _, e in ev], [e["ci95"][1] - e["accuracy"] for _, e in ev]],
+                    color="tab:red", marker="o", capsize=3, label=f"held-out accuracy, {evals[0].get('problems', '?')} problems (95% CI)")
+        ax.set_xlabel("training minutes")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left")
+        ax.set_title(", ".join(f"{k} {v}" for k, v in r.labels.items()) + f", seed {r.seed}", fontsize=10)
+        fig.tight_layout()
+        name = "".join(c if c.isalnum() or c in "._-+" else "_" for c in f"learning_{r.folder.name}.png")
+        fig.savefig(out / name)
+        plt.close(fig)
+        files.append(name)
+    return files
+
+
 def _seed_mean(members: list[RunInfo], key: str) -> tuple[list[int], list[float]]:
     by_it: dict[int, list[float]] = {}
     for r in members:
@@ -337,7 +394,7 @@ def cmd_report(args) -> int:
     except OSError as e:
         raise UserError(f"cannot create the report folder {out} ({e.strerror}); choose another --out") from None
     report = build_report(runs)
-    plots = plot_curves(runs, out)
+    plots = plot_curves(runs, out) + plot_learning(runs, out)
     (out / "report.json").write_text(json.dumps(report, indent=2))
     md = to_markdown(report, plots)
     (out / "report.md").write_text(md)

@@ -19,6 +19,7 @@ thread: one at a time, or all episodes at once for environments with ``concurren
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -211,7 +212,9 @@ def rollout(team: Team, models: TeamModel, make_env: Callable[[], TeamEnv], rese
             chats = [read[e][1] for e in active]
             g0 = time.perf_counter()
             with models.acting(agent.name) as (model, tok):
-                out = generate(model, tok, chats, sampling, stop_token_ids(model, tok), generator, **engine)
+                limit = agent.max_new_tokens or sampling.max_new_tokens
+                own = sampling if limit == sampling.max_new_tokens else dataclasses.replace(sampling, max_new_tokens=limit)
+                out = generate(model, tok, chats, own, stop_token_ids(model, tok), generator, **engine)
                 gen_flops += generation_flops(model, out)
             gen_seconds += time.perf_counter() - g0
             for e, text in zip(active, out.texts):

@@ -9,6 +9,7 @@ nobody see anybody; a mapping ``{agent: [agents it sees]}`` gives any DAG.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass
 
 from .errors import UserError
@@ -69,6 +70,7 @@ class Agent:
     adapter: str  # the LoRA adapter it acts with and trains
     model: str  # its base model ("" = the team's)
     sees: tuple[str, ...]  # its predecessors in D, in acting order
+    max_new_tokens: int = 0  # its longest reply; 0 = the rollout's
 
 
 @dataclass(frozen=True)
@@ -143,12 +145,20 @@ def build_team(cfg) -> Team:
     if not any(a.answers for a in agents):
         agents[-1] = dataclasses.replace(agents[-1], answers=True)
     by_name = {a.name: a for a in agents}
+    limits = dict(cfg.max_new_tokens or {})
+    for n, v in limits.items():
+        close = difflib.get_close_matches(n, names, n=1, cutoff=0.75)
+        if n not in by_name and close:  # a misspelt name; a name of another team is left alone
+            raise UserError(f"config: team.max_new_tokens names agent {n!r}, which is not in the team "
+                            f"({', '.join(names)}); did you mean {close[0]!r}?")
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise UserError(f"config: team.max_new_tokens.{n} must be a positive number of tokens, got {v!r}")
     out = []
     for n in order:
         a = by_name[n]
         adapter = SHARED_ADAPTER if cfg.share_adapter else (a.adapter or a.name)
         seen = tuple(m for m in order if m in sees[n])
-        out.append(Agent(n, a.prompt, bool(a.answers), adapter, a.model, seen))
+        out.append(Agent(n, a.prompt, bool(a.answers), adapter, a.model, seen, limits.get(n, 0)))
     return Team(tuple(out))
 
 

@@ -67,7 +67,7 @@ def tiny_overrides(tiny_model_dir, tmp_path) -> list[str]:
     """Config overrides that run the default team on the tiny model, quickly."""
     return [f"model.name={tiny_model_dir}", "model.dtype=float32", "model.device=cpu",
             "rollout.max_new_tokens=8", "rollout.episodes=4", f"output_dir={tmp_path / 'run'}",
-            "eval.problems=4"]
+            "eval.problems=4", "team.max_new_tokens={}"]
 
 
 VOWEL_ENV = '''

@@ -42,6 +42,12 @@ def test_eval_prints_table_and_writes_json(tiny_overrides, tmp_path, capsys):
     assert 0 < res["agents"]["solver"]["mean_tokens"] <= 8
     assert res["generated_tokens"] > 0 and res["tokens_per_s"] > 0
     assert len(res["per_problem_success"]) == 4
+    # the first sample of each of the first eval.transcripts (default 4) problems, every agent's reply
+    assert [t["problem"] for t in res["transcripts"]] == [0, 1, 2, 3]
+    for t, solved in zip(res["transcripts"], res["per_problem_success"]):
+        assert [x["agent"] for x in t["turns"]] == ["planner", "solver"]
+        assert t["observation"].startswith("Problem: ") and all(isinstance(x["reply"], str) for x in t["turns"])
+        assert t["correct"] <= (solved > 0)  # the first sample solved it only if some sample did
 
 
 def test_eval_is_reproducible_with_a_fixed_seed(tiny_overrides, tmp_path):

@@ -115,7 +115,7 @@ def test_runs_outside_a_sweep_are_labelled_from_their_config(tmp_path):
     make_run(tmp_path / "c", 0, final=[1, 1, 1, 1], untrained=[0, 0, 0, 0], algorithm="grpo")
     report = build_report(find_runs([str(tmp_path)]))
     rows = {r["labels"]["algorithm"]: r for r in report["groups"]}
-    assert rows["marft"]["labels"] == {"task": "chain_sum", "team": "duo", "algorithm": "marft"}
+    assert rows["marft"]["labels"] == {"task": "basic_arithmetic", "team": "duo", "algorithm": "marft"}
     assert rows["marft"]["final"]["mean"] == pytest.approx(0.375) and rows["marft"]["runs_complete"] == 2
     assert rows["grpo"]["final"]["mean"] == 1.0
 
@@ -143,3 +143,19 @@ def test_a_baseline_run_counts_its_one_evaluation_once(tmp_path):
     make_run(tmp_path / "u0", 0, final=[0, 1], untrained=[0, 1], iterations=0, metrics=[])
     report = build_report(find_runs([str(tmp_path)]))
     assert report["eval_minutes"] == pytest.approx(0.5) and report["train_minutes"] == 0
+
+
+def test_learning_curve_against_training_minutes(tmp_path, capsys):
+    from marft.report import _evaluations
+
+    run = tmp_path / "main"
+    make_run(run, 0, final=[1, 1, 1, 0], untrained=[0, 0, 1, 0], iterations=4)
+    mid = {"accuracy": 0.5, "ci95": [0.2, 0.8], "per_problem_success": [1, 0, 1, 0], "iteration": 2}
+    (run / "eval_iter_000002.json").write_text(json.dumps(mid))
+    final = json.loads((run / "eval_final.json").read_text())
+    (run / "eval_final.json").write_text(json.dumps({**final, "iteration": 4}))
+    assert [(e["iteration"], e["accuracy"]) for e in _evaluations(run)] == [(0, 0.25), (2, 0.5), (4, 0.75)]
+    out = tmp_path / "out"
+    assert main(["report", str(run), "--out", str(out)]) == 0
+    assert (out / "learning_main.png").is_file() and png_size(out / "learning_main.png") == (630, 360)
+    assert "![learning_main.png](learning_main.png)" in (out / "report.md").read_text()

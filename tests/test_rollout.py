@@ -79,6 +79,16 @@ def test_rollout_batch_shapes_masks_and_rewards(tiny_model_dir):
     assert out.rewards.shape == (5, 1) and out.dones.all()
 
 
+def test_an_agent_can_have_its_own_reply_limit(tiny_model_dir):
+    # the tiny random model rarely ends a reply by itself: the planner is cut at 3, the solver at 10
+    _, team, models = make(["team.max_new_tokens={planner: 3}"], tiny_model_dir)
+    out = play(team, models, n=6)
+    planner, solver = out.turns
+    assert planner.response_mask.sum(1).max() <= 3 and solver.response_mask.sum(1).max() <= 10
+    assert solver.response_mask.sum(1).max() > 3  # the solver is not held to the planner's limit
+    assert torch.equal(planner.truncated, planner.response_mask.sum(1) == 3) or planner.truncated.any()
+
+
 def test_recorded_logprobs_equal_teacher_forced_recomputation(tiny_model_dir):
     _, team, models = make(["team.preset=trio"], tiny_model_dir)
     for adapter in team.adapters:

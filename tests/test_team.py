@@ -71,6 +71,21 @@ def test_unknown_agent_lookup_is_a_user_error():
         team_of("chain", names=("a", "b"))["critic"]
 
 
+def test_reply_limits_by_agent_name_with_a_preset():
+    from marft.errors import UserError
+
+    team = build_team(load_config(None, ["team.preset=trio", "team.max_new_tokens={planner: 32, verifier: 8}"]).team)
+    assert [(a.name, a.max_new_tokens) for a in team.agents] == [("planner", 32), ("solver", 0), ("verifier", 8)]
+    with pytest.raises(UserError, match="team.max_new_tokens names agent 'planer', which is not in the team "
+                                        r"\(planner, solver\); did you mean 'planner'\?"):
+        load_config(None, ["team.max_new_tokens={planer: 32}"])
+    # a limit for an agent of another team is left alone: the default config's planner limit with a code team
+    coders = build_team(load_config(None, ["team.preset=code-duo", "team.max_new_tokens={planner: 32}"]).team)
+    assert [a.max_new_tokens for a in coders.agents] == [0, 0]
+    with pytest.raises(UserError, match="team.max_new_tokens.planner must be a positive number of tokens, got 0"):
+        load_config(None, ["team.max_new_tokens={planner: 0}"])
+
+
 def test_team_without_an_agent():
     from marft.config import load_config
     from marft.errors import UserError

@@ -18,7 +18,7 @@ def vowel_overrides(tiny_model_dir, vowel_env_path, tmp_path):
             "task.kind=custom", f"task.env={env}:Vowel", "task.options={}",
             "rollout.max_new_tokens=2", "rollout.episodes=32", "eval.problems=4",
             "rollout.temperature=1.0", "train.lr=1e-2", "train.critic_lr=1e-4", "train.epochs=2",
-            "train.minibatch_size=16", "train.entropy_coef=0", f"output_dir={tmp_path / 'run'}"]
+            "train.minibatch_size=16", "train.entropy_coef=0", "team.max_new_tokens={}", f"output_dir={tmp_path / 'run'}"]
 
 
 def trainer_for(overrides):
