@@ -8,10 +8,10 @@ divides by (``marft.flops.matmul_rate``).
 MFU's denominator is the rate of one large square product. A small model's products are not
 square: SmolLM2-135M multiplies [rows x 576] by 576 x 576 (attention), 576 x 192 (keys, values),
 576 x 1536 and 1536 x 576 (MLP) and 576 x 49,152 (vocabulary). Decoding feeds as many rows as
-there are live replies (8-64), the learner a micro-batch of up to 2,048 tokens. The "ceiling" row
+there are live replies (8-64), the learner a micro-batch of up to 2,048 tokens. The ceiling
 is the layer's products together (q, k, v, o, gate, up, down: the 2N FLOPs per token of
 ``marft/flops.py``) at that row count, timed back to back: the MFU a forward pass would have if
-nothing but its matrix products took time. No rollout or learner can beat it without changing
+nothing but its matrix products took time (the last column). No rollout or learner can beat it without changing
 the shapes (more rows per product, or fused projections).
 """
 from __future__ import annotations
@@ -26,6 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from marft.flops import matmul_rate  # noqa: E402
+
+from common import cpu_name  # noqa: E402
 
 ROWS = (1, 8, 32, 64, 256, 2048)
 
@@ -63,13 +65,10 @@ def main() -> None:
     weights = {k: torch.randn(n, m, generator=g).to(dtype) for k, (m, n) in mats.items()}
     head = torch.randn(V, H, generator=g).to(dtype)
     rate = matmul_rate(dtype, "cpu", threads=args.threads)
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "unknown CPU")
-    print(f"# {args.model}, {dtype}, {args.threads} threads, CPU: {cpu}")
+    print(f"# {args.model}, {dtype}, {args.threads} threads, CPU: {cpu_name()}")
     print(f"# 2048^3 matrix rate (MFU's denominator): {rate / 1e9:.0f} GFLOP/s")
-    names = list(mats) + ["vocabulary"]
     print("| rows | " + " | ".join(f"{k} {m}x{n}" for k, (m, n) in mats.items()) + f" | vocabulary {H}x{V} | ceiling (one layer's products) |")
-    print("|---" * (len(names) + 2) + "|")
+    print("|---" * (len(mats) + 3) + "|")
     for M in ROWS:
         x = {d: torch.randn(M, d, generator=g).to(dtype) for d in {H, q, I}}
         cells, layer_flops = [], 0

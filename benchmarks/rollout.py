@@ -15,9 +15,10 @@ Rows (each after a warm-up of its own path):
 Seconds are generation time only (rollout's ``gen_seconds``; for transformers, its ``generate``
 calls). MFU = needed FLOPs / seconds / the machine's matrix-multiply rate in the model's dtype
 (``marft.flops``); needed FLOPs count prompt and reply tokens only (no padding, no finished rows,
-the prompt prefix all rows of a batch share once), from each run's own replies. The task, temperature
-and reply limits are pinned to those BENCHMARKS.md was measured with (``benchmarks/common.py``:
-chain_sum, 0.7, 64 tokens) so that the figures do not move when the main job's config does. Sampling differs between runs (bf16 rounding), so token counts differ a little.
+the prompt prefix all rows of a batch share once), from each run's own replies. The task,
+temperature and reply limits are pinned to those BENCHMARKS.md was measured with
+(``benchmarks/common.py``: chain_sum, 0.7, 64 tokens) so that the figures do not move when the main
+job's config does. Sampling differs between runs (bf16 rounding), so token counts differ a little.
 """
 from __future__ import annotations
 

@@ -97,17 +97,17 @@ def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progr
         success[lo:hi], extracted[lo:hi] = out.success, out.extracted
         reward[lo:hi] = out.rewards.sum(1)
         steps[lo:hi] = out.steps.float()
+        here = {e - lo for e in kept if lo <= e < hi}  # this chunk's episodes whose transcript is kept
         for t in out.turns:
             for row, e in enumerate(t.episodes.tolist()):
-                if lo + e in kept:
+                if e in here:
                     rec = transcripts.setdefault(lo + e, {"problem": kept[lo + e], "observation": t.states[row], "turns": []})
                     rec["turns"].append({"step": t.step, "agent": t.agent, "reply": t.texts[row],
                                          "truncated": bool(t.truncated[row])})
             lengths[t.agent] += t.response_mask.sum(1).float().tolist()
             truncated[t.agent] += t.truncated.float().tolist()
-        for e, rec in transcripts.items():
-            if lo <= e < hi:
-                rec.update(correct=bool(out.success[e - lo]), answer=out.infos[e - lo].get("answer"))
+        for e in here:
+            transcripts[lo + e].update(correct=bool(out.success[e]), answer=out.infos[e].get("answer"))
         gen_seconds += out.gen_seconds
         done_eps = hi
         if progress:

@@ -333,9 +333,9 @@ def _evaluations(folder: Path) -> list[dict]:
 
 def plot_learning(runs: list[RunInfo], out: Path) -> list[str]:
     """Per run with held-out evaluations at three or more points (untrained, at least one
-    ``train.eval_every`` one, final; a sweep's runs, evaluated twice, get none): training reward (each iteration and
-    a running mean over 5) and held-out accuracy with its 95% interval, against training minutes
-    (the iterations' own seconds summed; evaluation time not counted)."""
+    ``train.eval_every`` one, final; a sweep's runs, evaluated twice, get none): training reward
+    (each iteration and a running mean over 5) and held-out accuracy with its 95% interval, against
+    training minutes (the iterations' own seconds summed; evaluation time not counted)."""
     import matplotlib
 
     matplotlib.use("Agg")

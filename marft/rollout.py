@@ -212,8 +212,7 @@ def rollout(team: Team, models: TeamModel, make_env: Callable[[], TeamEnv], rese
             chats = [read[e][1] for e in active]
             g0 = time.perf_counter()
             with models.acting(agent.name) as (model, tok):
-                limit = agent.max_new_tokens or sampling.max_new_tokens
-                own = sampling if limit == sampling.max_new_tokens else dataclasses.replace(sampling, max_new_tokens=limit)
+                own = dataclasses.replace(sampling, max_new_tokens=agent.max_new_tokens) if agent.max_new_tokens else sampling
                 out = generate(model, tok, chats, own, stop_token_ids(model, tok), generator, **engine)
                 gen_flops += generation_flops(model, out)
             gen_seconds += time.perf_counter() - g0
