@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import marft.engines.hf as hf_engine  # noqa: E402
 import marft.rollout as rollout_module  # noqa: E402
 from marft.cli import prepare  # noqa: E402
 from marft.config import load_config  # noqa: E402
@@ -54,12 +55,12 @@ def play(setup, resets, flags: dict, seed: int):
         calls.append((chats, out))
         return out
 
-    real, rollout_module.generate = rollout_module.generate, recording
+    real, hf_engine.generate = hf_engine.generate, recording
     try:
         g = torch.Generator().manual_seed(seed)
         out = rollout_module.rollout(team, models, make_env, resets, sampling, horizon, g)
     finally:
-        rollout_module.generate = real
+        hf_engine.generate = real
     return out, calls
 
 

@@ -3,8 +3,10 @@
     .venv/bin/python benchmarks/sandbox.py [--programs 64] [--workers 1 2 4 8]
 
 Two workloads: a trivial program (``print(1)``: the fixed cost of one sandboxed run), and MBPP's
-canonical solutions through the test harness (what grading a rollout costs; needs
-../shared/data/mbpp/mbpp.jsonl, otherwise a synthetic three-test problem is used). The baseline is
+canonical solutions graded by ``run_tests`` (what grading a rollout costs: the sandboxed harness
+and the checker process beside it; needs ../shared/data/mbpp/mbpp.jsonl, otherwise a synthetic
+three-test problem is used). For grading it also reports the CPU time per program, summed over
+every process involved, which a busy machine disturbs far less than the throughput. The baseline is
 the same program run with ``subprocess.run([python, "-I", "-S", ...])`` and no isolation or limits,
 one at a time, in this same script.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -51,8 +54,8 @@ def main() -> None:
         problems, label = [p] * a.programs, "synthetic problem (MBPP data not found)"
     base = baseline(a.programs)
     print(f"baseline, plain subprocess without isolation, 1 at a time: {base:.1f} programs/s")
-    print(f"\n| workers | print(1): programs/s | vs baseline | {label}: programs/s | all passed |")
-    print("|---|---|---|---|---|")
+    print(f"\n| workers | print(1): programs/s | vs baseline | {label}: programs/s | CPU ms per program | all passed |")
+    print("|---|---|---|---|---|---|")
     for w in a.workers:
         sb = Sandbox(Limits(wall_s=20, cpu_s=20), workers=w)
         jobs = [({"p.py": "print(1)\n"}, ["p.py"])] * a.programs
@@ -60,11 +63,17 @@ def main() -> None:
         res = sb.run_many(jobs)
         trivial = a.programs / (time.perf_counter() - t)
         assert all(r.stdout == "1\n" for r in res)
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), _cpu_s()
         reps = run_tests(sb, [(p.solution, p) for p in problems], test_timeout_s=10)
-        graded = len(problems) / (time.perf_counter() - t)
+        graded, cpu_ms = len(problems) / (time.perf_counter() - t), 1000 * (_cpu_s() - cpu) / len(problems)
         ok = sum(r.all_passed for r in reps)
-        print(f"| {w} | {trivial:.1f} | {trivial / base:.2f}x | {graded:.1f} | {ok}/{len(problems)} |")
+        print(f"| {w} | {trivial:.1f} | {trivial / base:.2f}x | {graded:.1f} | {cpu_ms:.0f} | {ok}/{len(problems)} |")
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process and of its finished children (launchers, programs, checkers)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 if __name__ == "__main__":

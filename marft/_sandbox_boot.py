@@ -10,11 +10,13 @@ program under test never runs in this process. Steps:
 4. restrict itself with Landlock: writes only inside the working directory (and /dev/null), no TCP
    bind or connect, no signals to processes outside the sandbox;
 5. fork: the child (PID 1 of the new PID namespace, so every process it starts dies with it) sets
-   resource limits and executes the program with stdout and stderr on pipes;
+   resource limits and executes the program with stdout and stderr on pipes (and, when the caller
+   asked for a channel, the two pipe ends it passed in on file descriptors 3 and 4);
 6. read both pipes up to the output limit and wait up to the wall-clock limit; on either, kill the
    child with SIGKILL, which tears down the whole PID namespace.
 """
 import ctypes
+import fcntl
 import json
 import os
 import resource
@@ -26,7 +28,7 @@ import time
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 16384, 1 << 18
-PR_SET_NO_NEW_PRIVS, PR_SET_PDEATHSIG = 38, 1
+PR_SET_NO_NEW_PRIVS, PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 38, 1, 4
 SYS_LANDLOCK_CREATE, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT = 444, 445, 446
 
 libc = ctypes.CDLL(None, use_errno=True)
@@ -132,6 +134,7 @@ def child(spec: dict, out_w: int, err_w: int, use_rlimit_nproc: bool) -> None:
     try:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         os.setpgid(0, 0)
+        channel = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in spec.get("channel", ())]  # clear of 0-4
         lim = spec["limits"]
         mem = lim["memory_mb"] * 2**20
         resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
@@ -145,7 +148,9 @@ def child(spec: dict, out_w: int, err_w: int, use_rlimit_nproc: bool) -> None:
         os.dup2(null, 0)
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
-        os.closerange(3, 65536)
+        for target, fd in zip((3, 4), channel):  # the peer's channel: requests in on 3, replies out on 4
+            os.dup2(fd, target)
+        os.closerange(3 + len(channel), 65536)
         os.chdir(spec["workdir"])
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": spec["workdir"], "TMPDIR": spec["workdir"],
                "LANG": "C.UTF-8"}
@@ -165,6 +170,10 @@ def main() -> None:
     if cgroup:
         protections.append(f"pids cgroup: at most {lim['processes']} processes")
     protections += enter_namespaces()
+    # Not dumpable: the program (which shares this process's user namespace and Landlock domain)
+    # cannot open /proc/<launcher>/fd/* or mem, so it cannot write this launcher's report.
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) == 0:
+        protections.append("launcher not dumpable")
     workdir = spec["workdir"]
     if "mount namespace" in protections and mount_tmpfs(workdir, lim["disk_mb"]):
         protections.append(f"private tmpfs working directory of {lim['disk_mb']} MiB")
@@ -185,6 +194,8 @@ def main() -> None:
         child(spec, out_w, err_w, use_nproc)
     os.close(out_w)
     os.close(err_w)
+    for fd in spec.get("channel", ()):  # the program holds them now; the peer sees EOF when it ends
+        os.close(fd)
     bufs = {out_r: bytearray(), err_r: bytearray()}
     cap = lim["output_bytes"]
     status, open_fds, code, deadline = None, [out_r, err_r], None, start + lim["wall_s"]

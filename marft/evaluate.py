@@ -11,7 +11,9 @@ from pathlib import Path
 
 import torch
 
+from .engines import make_engine
 from .generation import Sampling
+from .models import TeamModel
 from .rollout import rollout
 
 
@@ -61,8 +63,16 @@ def _wilson(p: float, n: float, z: float) -> tuple[float, float]:
 
 def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progress=None) -> dict:
     """Run the team on the first ``eval.problems`` test problems (fewer if the split is smaller),
-    ``eval.samples`` times each, ``rollout.episodes`` at a time. ``progress(done, total, tokens)``
-    is called after every agent turn."""
+    ``eval.samples`` times each, ``rollout.episodes`` at a time. ``models`` is an engine
+    (:mod:`marft.engines`) or a :class:`TeamModel` (then the engine ``rollout.engine`` names is
+    built for this evaluation and closed after it). ``progress(done, total, tokens)`` is called
+    after every agent turn."""
+    if isinstance(models, TeamModel):
+        engine = make_engine(cfg, models)
+        try:
+            return evaluate(cfg, team, engine, make_env, num_problems, progress)
+        finally:
+            engine.close()
     ev, ro = cfg.eval, cfg.rollout
     n = min(ev.problems, num_problems) if num_problems else ev.problems
     k = ev.samples
@@ -90,7 +100,8 @@ def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progr
             if progress:
                 progress(done_eps, n * k, tokens)
 
-        out = rollout(team, models, make_env, chunk, sampling, cfg.task.horizon, generator, on_turn, ro.env_timeout_s)
+        out = rollout(team, models, make_env, chunk, sampling, cfg.task.horizon, generator, on_turn, ro.env_timeout_s,
+                      schedule=ro.schedule)
         failed[lo:lo + len(chunk)] = out.failed
         errors += [i["error"] for i, f in zip(out.infos, out.failed.tolist()) if f]
         hi = lo + len(chunk)

@@ -1,9 +1,12 @@
 """Rollout: the team plays a batch of episodes and returns a typed batch of tensors.
 
-For every environment step t, and every agent i in the team's acting order, the prompts of all
-episodes still running are built (environment observation + the replies of i's predecessors,
-through the tokenizer's chat template) and generated in one batched call with i's adapter active.
-Each (t, i) is one micro-step k of MARFT and becomes one :class:`Turn`.
+For every environment step t, and every agent i in the team's acting order, each episode still
+running builds agent i's prompt (environment observation + the replies of i's predecessors,
+through the tokenizer's chat template) and an engine (:mod:`marft.engines`) generates the reply
+with i's adapter. Each (t, i) is one micro-step k of MARFT and becomes one :class:`Turn`. Two
+schedules: ``barrier`` generates (t, i) for every episode in one batched call, so each waits for
+the batch's longest reply; ``async`` lets every episode advance on its own as its replies come back
+(engines with a request queue: vLLM), the asynchrony of a Flex-MG.
 
 Rollout only reads the team's current weights; a distributed worker wraps :func:`rollout` after
 loading adapter weights with :meth:`marft.models.TeamModel.load_adapter_state`.
@@ -28,9 +31,10 @@ from typing import Callable
 import torch
 
 from .envs.base import TeamEnv
-from .flops import model_shape
-from .generation import Sampling, generate
-from .models import TeamModel, stop_token_ids
+from .engines.base import Engine, Reply, pack
+from .engines.hf import HFEngine
+from .generation import Sampling
+from .models import TeamModel
 from .team import Team, agent_messages
 
 
@@ -145,18 +149,29 @@ def _guarded(fns: list, concurrent: bool, timeout: float) -> list[str | None]:
     return [_call_threads([fn], timeout)[0] for fn in fns]
 
 
-def rollout(team: Team, models: TeamModel, make_env: Callable[[], TeamEnv], resets: list[tuple[int, dict]],
+def rollout(team: Team, engine: "Engine | TeamModel", make_env: Callable[[], TeamEnv], resets: list[tuple[int, dict]],
             sampling: Sampling, horizon: int, generator: torch.Generator | None = None,
-            on_turn: Callable[[Turn], None] | None = None, env_timeout_s: float = 300.0, fast: bool = True) -> Rollout:
+            on_turn: Callable[[Turn], None] | None = None, env_timeout_s: float = 300.0, fast: bool = True,
+            schedule: str = "barrier") -> Rollout:
     """Play one episode per ``(seed, options)`` in ``resets``, all concurrently.
 
-    ``horizon`` bounds the steps (the environment normally ends its episodes itself). ``on_turn`` is
-    called after every batched agent turn (progress display). ``env_timeout_s`` bounds each
-    ``reset`` and ``step`` of an episode's environment. ``fast`` False: the plain sampling loop (no
-    shared-prefix prefill, finished rows kept in the batch, the KV cache grown by concatenation),
-    kept to measure against."""
+    ``engine`` generates the replies (:mod:`marft.engines`; a :class:`TeamModel` is served by the
+    HF engine). ``horizon`` bounds the steps (the environment normally ends its episodes itself).
+    ``on_turn`` is called with every :class:`Turn` once its replies are in (progress display).
+    ``env_timeout_s`` bounds each ``reset`` and ``step`` of an episode's environment. ``fast``
+    False (HF engine built here): the plain sampling loop, kept to measure against.
+
+    ``schedule``: ``barrier`` plays agent i of step t for every episode in one batch, so every
+    episode waits for the batch's longest reply; ``async`` (engines with a queue, such as vLLM)
+    moves each episode to its next agent as soon as its own reply is back. Both return the same
+    shape: one :class:`Turn` per (t, i) with that micro-step's episodes in episode order. Each
+    request's sampling seed is a function of (``generator``'s first draw, episode, t, i), not of
+    the order requests finish in, so an asynchronous rollout is reproducible."""
+    if isinstance(engine, TeamModel):
+        engine = HFEngine(engine, fast=fast)
+    if schedule not in ("barrier", "async"):
+        raise ValueError(f"unknown rollout schedule {schedule!r}; expected 'barrier' or 'async'")
     start = time.perf_counter()
-    engine = {} if fast else {"compact": False, "share_prefix": False, "preallocate": False}
     envs = [make_env() for _ in resets]
     E, H, N = len(envs), horizon, len(team.agents)
     concurrent = bool(envs) and getattr(envs[0], "concurrent_steps", False)
@@ -180,6 +195,7 @@ def rollout(team: Team, models: TeamModel, make_env: Callable[[], TeamEnv], rese
     extracted = torch.zeros(E, dtype=torch.bool)
     turns: list[Turn] = []
     gen_seconds = gen_flops = 0.0
+
     def prompt(e: int, agent) -> tuple[str, list[dict]] | None:
         """The global state and the agent's chat for episode e, or None when its environment fails."""
         env, out = envs[e], []
@@ -198,11 +214,30 @@ def rollout(team: Team, models: TeamModel, make_env: Callable[[], TeamEnv], rese
             return None
         return out[0]
 
-    for t in range(H):
+    replies: list[dict[str, str]] = [{} for _ in range(E)]  # episode -> this step's replies so far
+
+    def end_step(e: int, t: int) -> None:
+        """Every agent has acted at step t of episode e: its rewards and whether it ended."""
+        env = envs[e]
+        r = [float(env.rewards.get(a, 0.0)) for a in team.names]
+        agent_rewards[e, t] = torch.tensor(r)
+        rewards[e, t] = sum(r) / N
+        info = env.infos.get(team.names[-1], {})
+        infos[e] = info
+        success[e] = bool(info.get("success", False))
+        extracted[e] = bool(info.get("extracted", False))
+        steps[e] = t + 1
+        dones[e, t] = not env.agents
+
+    if schedule == "async":
+        turns, gen_seconds, gen_flops = _play_async(team, engine, envs, sampling, H, generator, on_turn,
+                                                    env_timeout_s, prompt, replies, fail, end_step)
+    for t in range(H if schedule == "barrier" else 0):
         active = [e for e in range(E) if not failed[e] and envs[e].agents]
         if not active:
             break
-        replies: list[dict[str, str]] = [{} for _ in range(E)]
+        for e in active:
+            replies[e] = {}
         for agent in team.agents:
             read = {e: prompt(e, agent) for e in active}
             active = [e for e in active if read[e] is not None]
@@ -211,33 +246,20 @@ def rollout(team: Team, models: TeamModel, make_env: Callable[[], TeamEnv], rese
             states = [read[e][0] for e in active]
             chats = [read[e][1] for e in active]
             g0 = time.perf_counter()
-            with models.acting(agent.name) as (model, tok):
-                own = dataclasses.replace(sampling, max_new_tokens=agent.max_new_tokens) if agent.max_new_tokens else sampling
-                out = generate(model, tok, chats, own, stop_token_ids(model, tok), generator, **engine)
-                gen_flops += generation_flops(model, out)
+            out = engine.generate(agent.name, chats, _limited(sampling, agent), generator)
+            gen_flops += engine.flops(agent.name, out)
             gen_seconds += time.perf_counter() - g0
             for e, text in zip(active, out.texts):
                 replies[e][agent.name] = text
             errors = _guarded([lambda env=envs[e], x=text: env.step(x) for e, text in zip(active, out.texts)],
                               concurrent, env_timeout_s)
-            turn = Turn(t, agent.name, torch.tensor(active), out.prompt_ids.cpu(), out.prompt_mask.cpu(),
-                        out.response_ids.cpu(), out.response_mask.cpu(), out.logprobs.cpu(),
-                        out.truncated.cpu(), out.texts, states)
+            turn = _turn(t, agent.name, active, out, states)
             turns.append(turn)
             if on_turn:
                 on_turn(turn)
             active = [e for e, err in zip(active, errors) if not fail(e, err)]
         for e in active:
-            env = envs[e]
-            r = [float(env.rewards.get(a, 0.0)) for a in team.names]
-            agent_rewards[e, t] = torch.tensor(r)
-            rewards[e, t] = sum(r) / N
-            info = env.infos.get(team.names[-1], {})
-            infos[e] = info
-            success[e] = bool(info.get("success", False))
-            extracted[e] = bool(info.get("extracted", False))
-            steps[e] = t + 1
-            dones[e, t] = not env.agents
+            end_step(e, t)
     # an episode still running at the horizon ends there
     for e in range(E):
         if failed[e]:
@@ -249,7 +271,73 @@ def rollout(team: Team, models: TeamModel, make_env: Callable[[], TeamEnv], rese
                    time.perf_counter() - start, gen_seconds, infos, failed, gen_flops)
 
 
-def generation_flops(model, out) -> float:
-    """FLOPs one batched ``generate`` call needed (``Generated.work``, see marft.flops: no padding,
-    no finished rows, the prefix common to every prompt once)."""
-    return out.work.flops(model_shape(model)) if out.work is not None else 0.0
+def _limited(sampling: Sampling, agent) -> Sampling:
+    """The rollout's sampling with the agent's own reply limit, where it has one."""
+    return dataclasses.replace(sampling, max_new_tokens=agent.max_new_tokens) if agent.max_new_tokens else sampling
+
+
+def _turn(t: int, agent: str, episodes: list[int], out, states: list[str]) -> Turn:
+    return Turn(t, agent, torch.tensor(episodes, dtype=torch.long), out.prompt_ids.cpu(), out.prompt_mask.cpu(),
+                out.response_ids.cpu(), out.response_mask.cpu(), out.logprobs.cpu(), out.truncated.cpu(),
+                out.texts, states)
+
+
+def _request_seed(base: int, e: int, t: int, i: int) -> int:
+    return (base * 1_000_003 + e * 7_919 + t * 104_729 + i * 15_485_863) % 2**31
+
+
+def _play_async(team, engine, envs, sampling, H, generator, on_turn, env_timeout_s, prompt, replies, fail, end_step):
+    """The asynchronous schedule: each episode's next request goes to the engine as soon as its
+    previous reply is back and its environment has stepped. Returns (turns, generation seconds,
+    generation FLOPs); the turns are grouped by micro-step (t, i) as the barrier schedule's."""
+    if not getattr(engine, "asynchronous", False):
+        raise ValueError(f"rollout.schedule async needs an engine with a request queue (vllm); the {engine.name} engine has none")
+    base = int(torch.randint(2**31, (1,), generator=generator))
+    agents = team.agents
+    rows: dict[tuple[int, int], list[tuple[int, Reply, str]]] = {}  # (t, i) -> (episode, reply, state)
+    pending = 0
+
+    def send(e: int, t: int, i: int) -> bool:
+        nonlocal pending
+        read = prompt(e, agents[i])
+        if read is None:
+            return False
+        state, chat = read
+        engine.submit((e, t, i, state), agents[i].name, chat, _limited(sampling, agents[i]), _request_seed(base, e, t, i))
+        pending += 1
+        return True
+
+    for e, env in enumerate(envs):
+        if not fail(e, None) and env.agents and H > 0:
+            replies[e] = {}
+            send(e, 0, 0)
+    gen_seconds = 0.0
+    while pending:
+        g0 = time.perf_counter()
+        done = engine.collect()
+        gen_seconds += time.perf_counter() - g0
+        for (e, t, i, state), reply in done:
+            pending -= 1
+            rows.setdefault((t, i), []).append((e, reply, state))
+            replies[e][agents[i].name] = reply.text
+            error = _guarded([lambda env=envs[e], x=reply.text: env.step(x)], False, env_timeout_s)[0]
+            if fail(e, error):
+                continue
+            if i + 1 < len(agents):
+                send(e, t, i + 1)
+                continue
+            end_step(e, t)
+            if envs[e].agents and t + 1 < H:
+                replies[e] = {}
+                send(e, t + 1, 0)
+    turns, gen_flops = [], 0.0
+    pad = getattr(engine, "pad_id", 0)
+    for (t, i) in sorted(rows):
+        got = sorted(rows[(t, i)], key=lambda x: x[0])
+        out = pack([r for _, r, _ in got], pad)
+        gen_flops += engine.flops(agents[i].name, out)
+        turn = _turn(t, agents[i].name, [e for e, _, _ in got], out, [s for _, _, s in got])
+        turns.append(turn)
+        if on_turn:
+            on_turn(turn)
+    return turns, gen_seconds, gen_flops

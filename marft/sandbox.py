@@ -21,14 +21,27 @@ this machine; code tasks print a warning naming any layer that is missing):
   connections fail; with Landlock ABI >= 4, TCP bind and connect are refused as well.
 - **The file system**: Landlock allows writes only inside the working directory (and /dev/null);
   reading is *not* restricted (a program can read any file the user can, and print it).
-- **The trainer**: the program cannot see or signal it (PID namespace; Landlock signal scoping).
+- **The trainer**: the program cannot see or signal it (PID namespace; Landlock signal scoping),
+  nor read or write its memory or file descriptors (Landlock lets a confined process ptrace, or
+  open ``/proc/<pid>/mem`` and ``/proc/<pid>/fd`` of, only processes in its own domain; the
+  launcher, which shares that domain, makes itself non-dumpable). The same holds for any peer
+  process the caller starts outside the sandbox (below).
+
+**A private channel.** ``run(..., peer=fn)`` gives the program a pair of pipes, file descriptors
+3 (it reads) and 4 (it writes), and calls ``fn`` with the other ends in the caller's thread while
+the program runs. The code tasks use it to keep the grading verdict out of the program's reach: the
+tests run in a checker process outside the sandbox and ask the program only for values
+(:mod:`marft.envs._code_checker`). Nothing else the program says (stdout, stderr, its exit
+status) decides anything there.
 
 What it does **not** protect against: a kernel exploit; reading the user's files; using all CPU
-cores for the length of the time limit; side channels. It is the isolation one wants for code that
-a language model wrote by accident, not a security boundary against a determined attacker: for
-that, run the trainer in a VM or container as well. On a machine without user namespaces or
-Landlock (older kernels, some containers), the missing layers are simply absent and
-``protections()`` says which remain.
+cores for the length of the time limit; side channels (timing, the load of the machine). It is
+the isolation one wants for code that a language model wrote, including code that tries to cheat
+its grader; it is not a boundary against an attacker with a kernel exploit: for that, run the
+trainer in a VM or container as well. On a
+machine without user namespaces or Landlock (older kernels, some containers), the missing layers
+are simply absent and ``protections()`` says which remain; without Landlock, a program running as
+the trainer's user may be able to reach processes outside the sandbox through ``/proc``.
 """
 from __future__ import annotations
 
@@ -71,6 +84,7 @@ class Result:
     stderr: str = ""
     wall_s: float = 0.0
     protections: list[str] = field(default_factory=list)
+    peer: object = None  # what the run's peer function returned (see Sandbox.run)
 
     @property
     def ok(self) -> bool:
@@ -96,19 +110,36 @@ class Sandbox:
         self._slots = threading.BoundedSemaphore(self.workers)  # programs at once, across all callers
         self.python = python or sys.executable
 
-    def run(self, files: dict[str, str], args: list[str], limits: Limits | None = None) -> Result:
+    def run(self, files: dict[str, str], args: list[str], limits: Limits | None = None, peer=None) -> Result:
+        """Run one program. With ``peer``, the program also gets a private channel: it reads file
+        descriptor 3 and writes 4, and ``peer(to_program, from_program)`` is called in this thread
+        with the other ends while the program runs; what it returns is ``Result.peer``."""
         with self._slots:
-            return self._run(files, args, limits or self.limits)
+            return self._run(files, args, limits or self.limits, peer)
 
-    def _run(self, files: dict[str, str], args: list[str], lim: Limits) -> Result:
+    def _run(self, files: dict[str, str], args: list[str], lim: Limits, peer=None) -> Result:
         workdir = tempfile.mkdtemp(prefix="marft-sandbox-", dir=self.tmp_root)
         spec = {"workdir": workdir, "files": files, "args": list(args), "python": self.python, "limits": asdict(lim),
                 "site_packages": self.site_packages}
-        proc = subprocess.Popen([self.python, "-I", "-S", BOOT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
-        start = time.monotonic()
+        channel = (*os.pipe(), *os.pipe()) if peer else ()  # requests (read, write), replies (read, write)
+        if peer:
+            spec["channel"] = [channel[0], channel[3]]
         try:
-            out, err = proc.communicate(json.dumps(spec).encode(), timeout=lim.wall_s + 15)
+            proc = subprocess.Popen([self.python, "-I", "-S", BOOT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
+                                    pass_fds=(channel[0], channel[3]) if peer else ())
+        except BaseException:
+            for fd in channel:
+                os.close(fd)
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
+        start = time.monotonic()
+        answer = None
+        try:
+            data = json.dumps(spec).encode()
+            if peer:
+                answer, data = _converse(proc, data, peer, channel), None
+            out, err = proc.communicate(data, timeout=lim.wall_s + 15)
         except subprocess.TimeoutExpired:  # the launcher itself hung: kill it; its child dies with it
             proc.kill()
             proc.communicate()
@@ -119,18 +150,40 @@ class Sandbox:
             r = json.loads(out)
         except ValueError:
             return Result("sandbox_error", proc.returncode, "", err.decode("utf-8", "replace")[-2000:],
-                          time.monotonic() - start)
-        return Result(r["status"], r["exit_code"], r["stdout"], r["stderr"], r["wall_s"], r["protections"])
+                          time.monotonic() - start, peer=answer)
+        return Result(r["status"], r["exit_code"], r["stdout"], r["stderr"], r["wall_s"], r["protections"], answer)
 
-    def run_many(self, jobs: list[tuple[dict[str, str], list[str]]]) -> list[Result]:
+    def run_many(self, jobs: list[tuple]) -> list[Result]:
+        """Each job is ``(files, args)`` or ``(files, args, peer)``; the results in order."""
         if len(jobs) <= 1 or self.workers == 1:
-            return [self.run(f, a) for f, a in jobs]
+            return [self.run(*job) if len(job) == 2 else self.run(job[0], job[1], None, job[2]) for job in jobs]
         with ThreadPoolExecutor(self.workers) as pool:
-            return list(pool.map(lambda job: self.run(*job), jobs))
+            return list(pool.map(lambda job: self.run(job[0], job[1], None, *job[2:]), jobs))
 
     def protections(self) -> list[str]:
         """The protections active on this machine (probed once per interpreter)."""
         return list(_probe(self.python))
+
+
+def _converse(proc: subprocess.Popen, spec: bytes, peer, channel: tuple) -> object:
+    """Give the launcher its spec, then let the peer talk to the program; the peer's answer."""
+    os.close(channel[0])  # only the launcher (and then the program) hold these ends now, so the
+    os.close(channel[3])  # peer reads end-of-file as soon as the program is gone
+    try:
+        proc.stdin.write(spec)
+        proc.stdin.close()
+    except OSError:  # the launcher died at once; its stderr says why
+        pass
+    proc.stdin = None  # communicate() afterwards only reads
+    try:
+        return peer(channel[1], channel[2])
+    except BaseException:  # the peer failed, or we are interrupted: stop the program too
+        proc.kill()
+        proc.communicate()
+        raise
+    finally:
+        os.close(channel[1])
+        os.close(channel[2])
 
 
 def missing_protections(protections: list[str]) -> list[str]:

@@ -7,6 +7,7 @@ checkpoint and stops; ``marft train --resume RUN_DIR`` continues.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import signal
 import sys
@@ -47,6 +48,7 @@ def cmd_train(args) -> int:
         make_dir(run_dir, "output_dir")
     team, models, make_env = prepare(cfg)
     trainer = Trainer(cfg, team, models, make_env, log=lambda m: console.print(f"[yellow]{m}[/]"))
+    atexit.register(trainer.engine.close)  # a vllm engine's worker processes
     if args.resume:
         trainer.load(ckpt)  # every check passes before anything in the run folder changes
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -58,7 +60,7 @@ def cmd_train(args) -> int:
     def run_eval(tag: str, without: tuple = ()) -> dict:
         t0 = time.perf_counter()
         part = team.without(without) if without else team
-        res = evaluate(cfg, part, models, env_factory(cfg, part) if without else make_env, num)
+        res = evaluate(cfg, part, trainer.engine, env_factory(cfg, part) if without else make_env, num)
         res["iteration"] = trainer.iteration
         res["without"] = list(without)
         write_json(res, run_dir / f"eval_{tag}.json")

@@ -37,6 +37,7 @@ from . import advantages as adv_fns
 from . import flops, losses, packing
 from .config import RunConfig, save_config
 from .critic import ValueHead, prompt_features, state_features, token_features
+from .engines import Engine, make_engine
 from .errors import UserError
 from .generation import Sampling, _positions
 from .rollout import Rollout, Turn, rollout
@@ -57,8 +58,10 @@ def _seed(cfg: RunConfig, iteration: int, salt: int = 0) -> int:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, team, models, make_env, log=print):
+    def __init__(self, cfg: RunConfig, team, models, make_env, log=print, engine: Engine | None = None):
+        """``engine`` plays the rollouts (:mod:`marft.engines`); None: the one ``rollout.engine`` names."""
         self.cfg, self.team, self.models, self.make_env, self.log = cfg, team, models, make_env, log
+        self.engine = engine if engine is not None else make_engine(cfg, models)
         tr = cfg.train
         self.algorithm = tr.algorithm
         self.token_level = tr.algorithm == "marft-token"
@@ -107,7 +110,9 @@ class Trainer:
         # 6. policy update
         t3 = time.perf_counter()
         trained = self._trained_agents(it)
+        self.engine.before_update()
         policy_stats = self._update_policy(out, targets, trained) if trained else {}
+        self.engine.update()  # an engine with its own weights (vllm) gets the new adapters
         times["policy_update_s"] = time.perf_counter() - t3
         times["behaviour_logprobs_s"] = self._behaviour_s
         times["learner_s"] = times["policy_update_s"] - self._behaviour_s
@@ -188,8 +193,8 @@ class Trainer:
         r = cfg.rollout
         sampling = Sampling(r.temperature, r.top_p, r.top_k, r.max_new_tokens, tuple(r.stop))
         generator = torch.Generator().manual_seed(_seed(cfg, it, 1))
-        return rollout(self.team, self.models, self.make_env, resets, sampling, cfg.task.horizon, generator,
-                       env_timeout_s=r.env_timeout_s, fast=tr.fast)
+        return rollout(self.team, self.engine, self.make_env, resets, sampling, cfg.task.horizon, generator,
+                       env_timeout_s=r.env_timeout_s, schedule=r.schedule)
 
     def _trained_agents(self, it: int) -> list[str]:
         tr = self.cfg.train
@@ -305,6 +310,7 @@ class Trainer:
                 adapter = self.team[t.agent].adapter
                 rows_by_adapter.setdefault(adapter, []).extend((i, r) for r in range(len(t.episodes)))
         norm_adv = self._normalised_advantages(out, targets)
+        gap = [0.0, 0]
         self._rows = [packing.unpad(t.prompt_ids, t.prompt_mask, t.response_ids, t.response_mask) for t in out.turns]
         g = torch.Generator().manual_seed(_seed(self.cfg, self.iteration, 3))
         for adapter, rows in rows_by_adapter.items():
@@ -317,6 +323,7 @@ class Trainer:
             t0 = time.perf_counter()
             recompute = [x for x in rows if x not in self._pending_old]
             old = self._old_logprobs(out, recompute)
+            self._logprob_gap(out, old, recompute, gap)
             self._behaviour_s += time.perf_counter() - t0
             self._flops["behaviour"] += self._needed(adapter, recompute, backward=False)
             agg = {"policy_loss": 0.0, "entropy": 0.0, "approx_kl": 0.0, "clip_fraction": 0.0, "kl_ref": 0.0, "grad_norm": 0.0}
@@ -352,7 +359,18 @@ class Trainer:
             for k, v in agg.items():
                 stats[prefix + k] = v / max(n_mb, 1)
             stats[prefix + "early_stop"] = stopped
+        if gap[1]:
+            stats["rollout/logprob_gap"] = gap[0] / gap[1]
         return stats
+
+    @staticmethod
+    def _logprob_gap(out: Rollout, old: dict, rows: list[tuple[int, int]], gap: list) -> None:
+        """Add to ``gap`` [sum, tokens] the |rollout - learner| behaviour log-probabilities of the
+        recomputed ``rows`` (``rollout/logprob_gap``: how far the engine's numerics are from the learner's)."""
+        for i, r in rows:
+            m = out.turns[i].response_mask[r]
+            gap[0] += float((out.turns[i].logprobs[r][m] - old[i][r][m]).abs().sum())
+            gap[1] += int(m.sum())
 
     def _base(self, adapter: str | None = None):
         return self.models.bases[self.models.base_of[adapter or self.team.adapters[0]]]
@@ -582,6 +600,7 @@ class Trainer:
             raise UserError(f"checkpoint {checkpoint} was written for team {state['team']} with adapters {state['adapters']} "
                             f"({state['algorithm']}), not {mine[0]} with adapters {mine[1]} ({mine[2]}); resume with the run's own config")
         self.models.load_adapters(checkpoint / "adapters")
+        self.engine.update()
         for k, h in self.heads.items():
             h.load_state_dict(state["heads"][k])
             self.critic_opt[k].load_state_dict(state["critic_opt"][k])

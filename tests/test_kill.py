@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # chosen iteration: argv = WHERE ITERATION marft-arguments...
 DRIVER = '''
 import os, signal, sys
-import marft.models as M, marft.rollout as R, marft.trainer as T
+import marft.models as M, marft.engines.hf as R, marft.trainer as T
 from marft.cli import main
 
 where, at, args = sys.argv[1], int(sys.argv[2]), sys.argv[3:]

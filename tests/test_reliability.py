@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import marft.rollout
+import marft.engines.hf
 from marft import losses
 from conftest import VOWEL_ENV
 from marft.cli import main, prepare
@@ -197,7 +197,7 @@ def test_every_episode_rewarded_the_same(overrides, algorithm):
 
 def empty_replies(monkeypatch, zero_tokens=False):
     """Every reply ends at once: only its end-of-turn token (or, ``zero_tokens``, not even that)."""
-    original = marft.rollout.generate
+    original = marft.engines.hf.generate
 
     def generate(model, tok, chats, sampling, stop_ids, generator=None):
         g = original(model, tok, chats, sampling, stop_ids, generator)
@@ -209,7 +209,7 @@ def empty_replies(monkeypatch, zero_tokens=False):
         g.texts = [""] * len(g.texts)
         return g
 
-    monkeypatch.setattr(marft.rollout, "generate", generate)
+    monkeypatch.setattr(marft.engines.hf, "generate", generate)
 
 
 @pytest.mark.parametrize("algorithm,zero_tokens", [("marft", False), ("marft-token", False), ("ippo", False),
@@ -227,7 +227,7 @@ def test_empty_replies(overrides, monkeypatch, algorithm, zero_tokens):
 
 @pytest.mark.parametrize("algorithm", ["marft", "marft-token"])
 def test_every_reply_truncated(overrides, monkeypatch, algorithm):
-    monkeypatch.setattr(marft.rollout, "stop_token_ids", lambda model, tok: [])  # nothing ends a reply
+    monkeypatch.setattr(marft.engines.hf, "stop_token_ids", lambda model, tok: [])  # nothing ends a reply
     tr = trainer_for(overrides + [f"train.algorithm={algorithm}"])
     m = tr.iteration_step()
     assert m["responses/truncated"] == 1.0 and m["solver/reply_tokens"] == 3

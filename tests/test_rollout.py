@@ -1,12 +1,12 @@
 """Models, adapters and rollout on a tiny random chat model: one base copy per team, adapter
 isolation, the reference policy, recorded log-probabilities, and what each prompt contains."""
-import functools
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import marft.rollout as rollout_module
+import marft.engines.hf as hf_engine
+from marft.engines.hf import HFEngine
 from marft.config import load_config
 from marft.envs.base import Grade, Problem, TurnBasedEnv
 from marft.generation import Sampling, sequence_logprobs
@@ -156,7 +156,7 @@ def test_each_prompt_holds_exactly_its_predecessors_replies(tiny_model_dir, monk
     """Through the whole path (rollout -> messages -> chat template -> token ids)."""
     agents = [{"name": n, "prompt": f"You are agent {n}."} for n in "xyz"]
     _, team, models = make([f"team.agents={agents}", f"team.graph={graph}"], tiny_model_dir)
-    real = rollout_module.generate
+    real = hf_engine.generate
 
     def marked(model, tok, chats, sampling, stop_ids, generator, **kw):
         out = real(model, tok, chats, sampling, stop_ids, generator)
@@ -164,7 +164,7 @@ def test_each_prompt_holds_exactly_its_predecessors_replies(tiny_model_dir, monk
         out.texts = [f"MARK_{name}_{i}" for i in range(len(chats))]
         return out
 
-    monkeypatch.setattr(rollout_module, "generate", marked)
+    monkeypatch.setattr(hf_engine, "generate", marked)
     out = play(team, models, n=3, sampling=Sampling(max_new_tokens=3))
     tok = next(iter(models.tokenizers.values()))
     for t in out.turns:
@@ -187,16 +187,14 @@ def test_multi_turn_feedback_reaches_the_team(tiny_model_dir):
         assert (out.steps[~out.success] == 2).all()
 
 
-def test_generate_fast_paths_play_the_same_rollout_as_the_plain_loop(tiny_model_dir, monkeypatch):
+def test_generate_fast_paths_play_the_same_rollout_as_the_plain_loop(tiny_model_dir):
     """Prefix sharing, compaction and the reserved cache (generate's defaults) change no episode."""
     _, team, models = make(["team.preset=trio"], tiny_model_dir)
     for adapter in team.adapters:
         perturb(models, adapter, seed=len(adapter))
     sampling = Sampling(temperature=1.0, max_new_tokens=12)
     fast = play(team, models, n=6, sampling=sampling)
-    monkeypatch.setattr(rollout_module, "generate", functools.partial(
-        rollout_module.generate, compact=False, share_prefix=False, preallocate=False))
-    plain = play(team, models, n=6, sampling=sampling)
+    plain = play(team, HFEngine(models, fast=False), n=6, sampling=sampling)
     assert [(t.step, t.agent) for t in fast.turns] == [(t.step, t.agent) for t in plain.turns]
     for f, p in zip(fast.turns, plain.turns):
         assert torch.equal(f.prompt_ids, p.prompt_ids) and torch.equal(f.response_ids, p.response_ids)

@@ -136,6 +136,42 @@ def test_many_programs_in_parallel_keep_their_order(clean_machine):
     assert [r.stdout for r in results] == [f"{i * i}\n" for i in range(12)]
 
 
+def test_a_peer_talks_to_the_program_on_its_own_channel(clean_machine):
+    def peer(to_program, from_program):
+        os.write(to_program, b"ping\n")
+        got = b""
+        while not got.endswith(b"\n"):
+            chunk = os.read(from_program, 100)
+            if not chunk:
+                break
+            got += chunk
+        return got, os.read(from_program, 100)  # then end-of-file: the program is gone
+
+    src = "import os\nline = os.read(3, 100)\nos.write(4, line.upper())\nprint('printed')"
+    r = SB.run({"m.py": src}, ["m.py"], peer=peer)
+    assert r.ok and r.stdout == "printed\n" and r.peer == (b"PING\n", b"")
+    r = SB.run({"m.py": "import os\nos.write(3, b'x')"}, ["m.py"])  # without a peer there is no channel
+    assert r.status == "error" and "Bad file descriptor" in r.stderr
+
+
+def test_the_program_cannot_open_the_launchers_descriptors(clean_machine):
+    if "launcher not dumpable" not in PROTECTIONS or "landlock" not in PROTECTIONS:
+        pytest.skip(f"needs a non-dumpable launcher and Landlock ({PROTECTIONS})")
+    src = """import os
+opened = []
+for pid in os.listdir('/proc'):
+    if pid.isdigit() and pid != os.readlink('/proc/self'):  # its own pid as /proc (the host's) sees it
+        for what in ('fd/0', 'fd/1', 'mem'):
+            try:
+                os.close(os.open(f'/proc/{pid}/{what}', os.O_WRONLY))
+                opened.append(pid + '/' + what)
+            except OSError:
+                pass
+print(opened)"""
+    r, _ = run(src)
+    assert r.ok and r.stdout == "[]\n", r.stdout  # nothing outside its own process, the launcher included
+
+
 def test_missing_protections_are_named():
     from marft.sandbox import missing_protections
 
@@ -153,7 +189,7 @@ def test_workers_bound_programs_at_once_across_threads(monkeypatch):
     sb = Sandbox(workers=2)
     running, peak, lock = [0], [0], threading.Lock()
 
-    def fake_run(files, args, lim):
+    def fake_run(files, args, lim, peer=None):
         with lock:
             running[0] += 1
             peak[0] = max(peak[0], running[0])

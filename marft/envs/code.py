@@ -15,30 +15,40 @@ an unterminated last fence included), else bare code; for HumanEval a body witho
 completed with the prompt. In a team, an answering agent whose reply holds no code (a tester that
 approves) keeps the previous answering agent's program; the graded answer is the last one's.
 
-**Grading.** The program and the tests run in :mod:`marft.sandbox` through a harness
-(``_code_harness.py``) that judges every assertion itself and reports per test; see its docstring
-for what it does against reward hacking. ``reward: all`` scores 1 when every test passes (success),
-``reward: fraction`` the fraction of tests passed. When tests fail, the feedback for the next turn
-names the first failing test and its error (trimmed to ``feedback_chars``).
+**Grading.** The program runs in :mod:`marft.sandbox` under a harness (``_code_harness.py``) that
+only answers calls; the tests run outside the sandbox, in a checker process
+(``_code_checker.py``), which calls the program's functions through a pipe, gets their return
+values back as plain data (``_code_values.py``: never pickle) and makes every comparison, every
+``assert`` and the count of passed tests itself. A program can therefore not forge its grade by
+tampering with its own process (frames, ``gc``, patched modules, writes to any descriptor,
+look-alike output): the most it can send is values, which are judged like returned values. The
+checker's docstring says what this guarantees and what it does not. A value that is not data (an
+object of the program's own class, a generator) fails the comparison it reaches, with that reason.
+``reward: all`` scores 1 when every test passes (success), ``reward: fraction`` the fraction of
+tests passed. When tests fail, the feedback for the next turn names the first failing test and
+its error (trimmed to ``feedback_chars``).
 """
 from __future__ import annotations
 
 import ast
 import builtins
+import functools
 import json
 import math
 import os
 import random
 import re
-import secrets
+import subprocess
 import sys
 from dataclasses import dataclass
 
+from marft.envs import _code_checker, _code_values
 from marft.envs.base import Grade, Problem, TurnBasedEnv
 from marft.errors import UserError
 from marft.sandbox import Limits, Sandbox, missing_protections
 
-HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_code_harness.py")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+HARNESS, CHECKER, VALUES = (os.path.join(_HERE, f) for f in ("_code_harness.py", "_code_checker.py", "_code_values.py"))
 MBPP_SPLITS = {"test": range(11, 511), "validation": range(511, 601), "train": range(601, 975), "prompt": range(1, 11)}
 _FILES: dict[tuple, list[dict]] = {}
 
@@ -203,35 +213,66 @@ class TestReport:
 
 
 def run_tests(sandbox: Sandbox, jobs: list[tuple[str, CodeProblem]], test_timeout_s: float = 5.0) -> list[TestReport]:
-    """Run each (program, problem) pair's tests in the sandbox, in parallel; one report each."""
-    with open(HARNESS, encoding="utf-8") as f:
-        harness = f.read()
-    runs, nonces = [], []
+    """Run each (program, problem) pair's tests, in parallel; one report each. The program runs in
+    the sandbox under the harness; the tests run in a checker process outside it, which asks the
+    program only for the values of the calls they make (see ``_code_checker.py``)."""
+    files = {"harness.py": _source(HARNESS), "values.py": _source(VALUES)}
+    runs = []
     for program, p in jobs:
-        nonce = "@@marft-" + secrets.token_hex(16) + "@@"
-        spec = {"tests": p.tests, "setup": p.setup, "nonce": nonce, "entry": p.entry, "test_timeout_s": test_timeout_s}
-        runs.append(({"harness.py": harness, "solution.py": program, "spec.json": json.dumps(spec)}, ["harness.py"]))
-        nonces.append(nonce)
+        job = _checker_job(tuple(p.tests), p.setup, p.stub, p.entry)
+        peer = functools.partial(_check, job, len(p.tests), test_timeout_s, sandbox.limits)
+        runs.append(({**files, "solution.py": program}, ["harness.py", repr(float(test_timeout_s))], peer))
     reports = []
-    for (program, p), nonce, r in zip(jobs, nonces, sandbox.run_many(runs)):
-        results = {}
-        for line in r.stdout.splitlines():
-            at = line.find(nonce)
-            if at >= 0:
-                try:
-                    d = json.loads(line[at + len(nonce):])
-                    results.setdefault(int(d["test"]), (bool(d["passed"]), str(d.get("error", ""))))
-                except (ValueError, KeyError, TypeError):
-                    continue
+    for (program, p), r in zip(jobs, sandbox.run_many(runs)):
         why = {"timeout": "the program ran out of time", "cpu_limit": "the program ran out of CPU time",
                "output_limit": "the program printed too much"}.get(r.status, "")
         if not why:
             tail = r.stderr.strip().splitlines()[-1:] if r.stderr.strip() else []
             why = f"the program stopped before this test ({tail[0][:200] if tail else 'exit ' + str(r.exit_code)})"
-        errors = [results[i][1] if i in results else why for i in range(len(p.tests))]
-        passed = sum(1 for i in range(len(p.tests)) if results.get(i, (False,))[0])
+        verdicts, errors, passed = r.peer or {}, [], 0
+        for i in range(len(p.tests)):
+            ok, ended, error = verdicts.get(i, (False, False, "the grader could not check this test"))
+            passed += ok
+            errors.append("" if ok else why if ended else error or "the test failed")
         reports.append(TestReport(passed, len(p.tests), errors, r.status))
     return reports
+
+
+@functools.lru_cache(maxsize=None)
+def _source(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+@functools.lru_cache(maxsize=4096)
+def _checker_job(tests: tuple, setup: str, stub: str, entry: str) -> bytes:
+    return _code_checker.prepare(tests, setup, stub, entry)
+
+
+def _check(job: bytes, n_tests: int, test_timeout_s: float, limits: Limits, to_program: int, from_program: int) -> dict:
+    """The checker for one program (run as the sandbox's peer): its verdict on each test, by index,
+    as ``(passed, the program had ended, error)``."""
+    cmd = [sys.executable, "-I", "-S", CHECKER, str(to_program), str(from_program), repr(float(test_timeout_s)),
+           repr(float(limits.wall_s)), str(max(256, limits.memory_mb))]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            pass_fds=(to_program, from_program))
+    try:
+        out, err = proc.communicate(job, timeout=limits.wall_s + test_timeout_s + 5)
+        why = err.decode("utf-8", "replace").strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+    except subprocess.TimeoutExpired:  # the test code itself ran away on the program's values
+        proc.kill()
+        out, _ = proc.communicate()
+        why = ["checking it took too long"]
+    verdicts = {}
+    for line in out.decode("utf-8", "replace").splitlines():
+        try:
+            i, passed, ended, error = _code_values.loads(line)
+        except ValueError:
+            break
+        if type(i) is int:
+            verdicts[i] = (passed is True, ended is True, str(error))
+    missing = (False, False, f"the grader could not check this test ({why[0][:200]})")
+    return {i: verdicts.get(i, missing) for i in range(n_tests)}
 
 
 # --- the environment -------------------------------------------------------------------------

@@ -1,0 +1,140 @@
+"""The vLLM engine against the HF engine, on vLLM's CPU build with a tiny model saved as a Hugging
+Face folder (one engine start-up for the module, about a minute on 2 cores).
+
+Run where vLLM is installed (``bash scripts/setup.sh --vllm``); skipped otherwise. Everything is
+float32 and greedy, where vLLM's kernels and the learner's agree to ~1e-5 per logit, so the same
+weights give the same tokens."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from conftest import build_tiny_model
+from marft.config import load_config
+from marft.engines.hf import HFEngine
+from marft.envs.base import Grade, Problem, TurnBasedEnv
+from marft.generation import Sampling
+from marft.models import TeamModel
+from marft.rollout import rollout
+from marft.team import build_team
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="vLLM is not installed (bash scripts/setup.sh --vllm installs its CPU build)"),
+]
+
+GREEDY = Sampling(temperature=0.0, max_new_tokens=12)
+CHATS = [[{"role": "system", "content": "You are the planner."}, {"role": "user", "content": f"Calculate {a} + {b}."}]
+         for a, b in [(1, 2), (12, 7), (3, 9), (0, 0), (5, 5), (8, 1)]]
+
+
+class Echo(TurnBasedEnv):
+    """Two steps; reward when the solver's reply mentions the answer (rarely, for a random model)."""
+
+    def new_problem(self, rng, split, index):
+        i = index if index is not None else rng.randint(0, 99)
+        return Problem(f"Compute {i} + 1.", str(i + 1))
+
+    def grade(self, problem, reply):
+        return Grade(problem.answer in reply, True, feedback="wrong")
+
+
+def perturb(models, adapter, seed):
+    g = torch.Generator().manual_seed(seed)
+    state = models.adapter_state(adapter)
+    models.load_adapter_state(adapter, {k: torch.randn(v.shape, generator=g) * 0.3 for k, v in state.items()})
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from marft.engines.vllm import VLLMEngine
+
+    # head_dim 64: a size vLLM's CPU attention kernels support
+    folder = build_tiny_model(tmp_path_factory.mktemp("vllm-model"), hidden=128, layers=2)
+    cfg = load_config(None, [f"model.name={folder}", "model.dtype=float32", "model.device=cpu",
+                             "rollout.engine=vllm", "rollout.vllm.kv_cache_gb=1", "rollout.vllm.max_model_len=512"])
+    team = build_team(cfg.team)
+    models = TeamModel(team, cfg.model)
+    for k, adapter in enumerate(team.adapters):
+        perturb(models, adapter, seed=k)
+    engine = VLLMEngine(models, cfg.model, cfg.rollout.vllm)
+    yield team, models, engine
+    engine.close()
+
+
+def replies(engine, agent):
+    return engine.generate(agent, CHATS, GREEDY, torch.Generator().manual_seed(0))
+
+
+def test_greedy_replies_equal_the_hf_engines(setup):
+    team, models, engine = setup
+    hf = HFEngine(models)
+    for agent in team.names:
+        v, h = replies(engine, agent), replies(hf, agent)
+        assert v.texts == h.texts, agent
+        assert torch.equal(v.response_ids, h.response_ids) and torch.equal(v.response_mask, h.response_mask)
+        assert torch.equal(v.prompt_ids, h.prompt_ids) and torch.equal(v.truncated, h.truncated)
+        # greedy log-probabilities are those of the unscaled policy in both
+        assert torch.allclose(v.logprobs, h.logprobs, atol=1e-3)
+
+
+def test_each_agent_follows_its_own_adapter_and_updates_reach_the_engine(setup):
+    team, models, engine = setup
+    planner, solver = team.names
+    before = {a: replies(engine, a).texts for a in team.names}
+    assert before[planner] != before[solver]  # different adapters, different replies
+    state = {k: v.clone() for k, v in models.adapter_state(planner).items()}
+    version = engine.version
+    perturb(models, planner, seed=99)
+    engine.update()
+    assert engine.version == version + 1
+    after = {a: replies(engine, a) for a in team.names}
+    assert after[planner].texts != before[planner]  # the new version is served ...
+    assert after[solver].texts == before[solver]  # ... and the other agent's adapter is untouched
+    hf = HFEngine(models)
+    assert after[planner].texts == replies(hf, planner).texts  # the engine acts with the learner's weights
+    models.load_adapter_state(planner, state)
+    engine.update()
+    assert replies(engine, planner).texts == before[planner]
+
+
+def test_asynchronous_rollout_plays_the_barrier_rollouts_episodes(setup):
+    team, models, engine = setup
+    resets = [(i, {"split": "test", "index": i}) for i in range(6)]
+    runs = {}
+    for schedule in ("barrier", "async"):
+        runs[schedule] = rollout(team, engine, lambda: Echo(team.names, team.answering, 2), resets, GREEDY, 2,
+                                 torch.Generator().manual_seed(0), schedule=schedule)
+    hf = rollout(team, HFEngine(models), lambda: Echo(team.names, team.answering, 2), resets, GREEDY, 2,
+                 torch.Generator().manual_seed(0))
+    b, a = runs["barrier"], runs["async"]
+    for other in (a, hf):
+        assert [(t.step, t.agent) for t in other.turns] == [(t.step, t.agent) for t in b.turns]
+        for x, y in zip(b.turns, other.turns):
+            assert torch.equal(x.episodes, y.episodes) and x.texts == y.texts
+            assert torch.equal(x.prompt_ids, y.prompt_ids) and torch.equal(x.response_ids, y.response_ids)
+            assert x.states == y.states
+        assert torch.equal(other.rewards, b.rewards) and torch.equal(other.steps, b.steps)
+
+
+def test_training_with_the_vllm_engine_serves_every_update(setup, tmp_path):
+    """Two iterations of MARFT with the engine: each policy update reaches the engine as a new
+    adapter version, and the learner's recomputed behaviour log-probabilities match the engine's."""
+    from marft.trainer import Trainer
+
+    team, models, engine = setup
+    cfg = load_config(None, ["model.dtype=float32", "model.device=cpu", "rollout.episodes=4", "rollout.max_new_tokens=8",
+                             "rollout.temperature=1.0", "rollout.engine=vllm", "rollout.schedule=async", "train.minibatch_size=2",
+                             "train.lr=1e-2", f"output_dir={tmp_path}"])
+    trainer = Trainer(cfg, team, models, lambda: Echo(team.names, team.answering, 1), log=lambda m: None, engine=engine)
+    version = engine.version
+    for _ in range(2):
+        m = trainer.iteration_step()
+        assert m["rollout/logprob_gap"] < 1e-3  # fp32: the same policy on both sides
+    assert engine.version == version + 2
+    hf = HFEngine(models)
+    for agent in team.names:  # the engine now acts with the trained adapters
+        assert replies(engine, agent).texts == replies(hf, agent).texts
