@@ -264,7 +264,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
         if not p.is_file():
             raise UserError(f"config file {p} not found; give the path of a YAML file such as configs/duo_arithmetic.yaml")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise UserError(f"config file {p} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                            "give a YAML file such as configs/duo_arithmetic.yaml") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark else ""
@@ -272,6 +275,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
         if not isinstance(data, dict):
             raise UserError(f"config file {p} must hold a mapping of keys (model:, team:, ...), not {type(data).__name__}")
     parsed = [_split_override(o) for o in overrides]
+    _check_kind_override(data, parsed, path)
     late = [(k, v) for k, v in parsed if k.startswith("team.agents")]
     for k, v in parsed:
         if not k.startswith("team.agents"):
@@ -282,6 +286,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
     cfg = _build(RunConfig, data, "")
     validate(cfg)
     return cfg
+
+
+def _check_kind_override(data: dict, parsed: list[tuple[str, Any]], path) -> None:
+    """``task.kind`` changed on the command line while the file's ``task.options`` (options of the
+    file's kind) are kept: say so, instead of letting the new kind reject options it never had."""
+    task = data.get("task") if isinstance(data.get("task"), dict) else {}
+    old_kind, options = task.get("kind", TaskConfig.kind), task.get("options")
+    new_kind = next((v for k, v in reversed(parsed) if k == "task.kind"), old_kind)
+    touched = any(k == "task.options" or k.startswith("task.options.") for k, _ in parsed)
+    if new_kind != old_kind and options and not touched:
+        raise UserError(f"task.options {options} in {path} are options of task.kind {old_kind}, not of {new_kind}; "
+                        f"add task.options={{}} (or the {new_kind} task's own options) to the command line")
 
 
 def _split_override(text: str) -> tuple[str, Any]:

@@ -118,7 +118,10 @@ def load_sweep(path: str | Path) -> Sweep:
     if not p.is_file():
         raise UserError(f"sweep file {p} not found; give a YAML file such as configs/sweep_paper_small.yaml")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        raise UserError(f"sweep file {p} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                        "give a YAML file such as configs/sweep_paper.yaml") from None
     except yaml.YAMLError as e:
         raise UserError(f"sweep file {p} is not valid YAML: {getattr(e, 'problem', e)}") from None
     if not isinstance(data, dict):

@@ -2,8 +2,8 @@
 
 Run folder (``output_dir``): ``config.yaml``, ``metrics.jsonl`` (one line per iteration),
 ``tensorboard/``, ``checkpoints/iter_NNNNNN/`` (+ ``latest``), ``eval_untrained.json``,
-``eval_iter_NNNNNN.json``, ``eval_final.json``. Ctrl-C finishes the current iteration, writes a
-checkpoint and stops; ``marft train --resume RUN_DIR`` continues.
+``eval_iter_NNNNNN.json``, ``eval_final.json``. Ctrl-C or SIGTERM finishes the current iteration,
+writes a checkpoint and stops (exit status 130); ``marft train --resume RUN_DIR`` continues.
 """
 from __future__ import annotations
 
@@ -82,13 +82,15 @@ def cmd_train(args) -> int:
     writer = _tensorboard(run_dir, trainer.iteration + 1 if args.resume else None)
     stop = {"now": False}
 
-    def on_sigint(signum, frame):
+    def on_stop(signum, frame):
         if stop["now"]:
             raise KeyboardInterrupt
         stop["now"] = True
-        console.print("[yellow]stopping after this iteration (Ctrl-C again to abort without a checkpoint)[/]")
+        what = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+        console.print(f"[yellow]{what}: stopping after this iteration (the same signal again aborts without a checkpoint)[/]")
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
+    # SIGTERM (what SLURM, Kubernetes and `timeout` send before they kill) is treated like Ctrl-C
+    previous = {s: signal.signal(s, on_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     start, done_here = time.perf_counter(), 0
     try:
         while trainer.iteration < cfg.train.iterations and not stop["now"]:
@@ -110,7 +112,8 @@ def cmd_train(args) -> int:
                 if writer:
                     writer.add_scalar("eval/accuracy", res["accuracy"], trainer.iteration)
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     if stop["now"]:
         console.print(f"stopped at iteration {trainer.iteration}; continue with: marft train --resume {run_dir}")
         return 130

@@ -2,6 +2,7 @@
 problem, a non-zero status (2 for user errors, as argparse), no traceback (``--debug`` shows it),
 and a failed ``--resume`` leaves the run folder byte for byte as it was."""
 import hashlib
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -31,6 +32,7 @@ def f(tiny_model_dir, tmp_path_factory):
     (d / "envs.py").write_text(ENVS)
     (d / "broken_env.py").write_text("import no_such_dependency_xyz\n")
     (d / "bad.yaml").write_text("model: [\n")
+    (d / "binary.yaml").write_bytes(bytes(range(256)) * 4)  # not text at all
     (d / "empty.jsonl").write_text("")
     (d / "badline.jsonl").write_text('{"problem": "1+1?", "answer": "2"}\n{"problem": "2+2?", "answer": \n')
     (d / "noanswer.jsonl").write_text('{"problem": "1+1?", "answer": "2"}\n{"problem": "2+2?"}\n')
@@ -79,6 +81,9 @@ ROWS = [
     # configs
     ("config-missing", lambda f: ["eval", "configs/nope.yaml"], "config file configs/nope.yaml not found"),
     ("config-not-yaml", lambda f: ["eval", str(f.d / "bad.yaml")], "is not valid YAML at line 2"),
+    ("config-not-text", lambda f: ["eval", str(f.d / "binary.yaml")], "is not UTF-8 text (byte 0x80 at offset 128)"),
+    ("kind-override-keeps-options", lambda f: ["eval", CONFIG, *f.tiny, "task.kind=math", f"task.test_path={f.d / 'empty.jsonl'}"],
+     "are options of task.kind reasoning_gym, not of math; add task.options={}"),
     ("unknown-key", lambda f: ["eval", CONFIG, *f.tiny, "rollout.temprature=1"],
      "unknown key 'rollout.temprature' (did you mean 'rollout.temperature'?)"),
     ("wrong-type", lambda f: ["eval", CONFIG, *f.tiny, "rollout.episodes=abc"], "rollout.episodes must be an integer, got 'abc'"),
@@ -102,6 +107,10 @@ ROWS = [
     ("adapters-other-rank", lambda f: ["eval", CONFIG, *f.tiny, "model.lora.r=4", "--adapters",
                                        str(f.run / "checkpoints/iter_000001/adapters")], "does not fit this model (size mismatch"),
     ("output-dir-is-a-file", lambda f: ["train", CONFIG, *f.tiny, f"output_dir={f.d / 'envs.py'}"], "cannot create the folder"),
+    ("engine-vllm-missing", lambda f: ["eval", CONFIG, *f.tiny, "rollout.engine=vllm"],
+     "rollout.engine=vllm needs vLLM, which is not installed"),
+    ("schedule-async-hf", lambda f: ["eval", CONFIG, *f.tiny, "rollout.schedule=async"],
+     "rollout.schedule async needs rollout.engine=vllm"),
     ("device-without-gpu", lambda f: ["eval", CONFIG, *f.tiny, "model.device=cuda"], "no CUDA GPU is available"),
     # models
     ("model-missing", lambda f: ["eval", CONFIG, *f.tiny, "model.name=/no/such/model"], "model '/no/such/model' not found"),
@@ -110,6 +119,8 @@ ROWS = [
     ("model-not-causal", lambda f: ["eval", CONFIG, *f.tiny, f"model.name={f.d / 't5'}"], "is not a causal language model"),
     ("model-no-chat-template", lambda f: ["eval", CONFIG, *f.tiny, f"model.name={f.d / 'nochat'}"],
      "has a tokenizer without a chat template"),
+    ("hub-offline", lambda f: ["eval", CONFIG, *f.tiny, "model.name=nobody/no-such-model"],
+     "model 'nobody/no-such-model' is not in the local Hugging Face cache and HF_HUB_OFFLINE is set"),
     ("lora-targets", lambda f: ["eval", CONFIG, *f.tiny, "model.lora.target_modules=[foo]"], "do not fit model"),
     # data
     ("data-missing", lambda f: ["eval", CONFIG, *f.tiny, *math(f.d / "none.jsonl")], "does not exist"),
@@ -145,6 +156,8 @@ ROWS = [
 def test_bad_input_is_one_line_exit_2(f, capsys, row, args, message):
     if row == "device-without-gpu" and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
+    if row == "engine-vllm-missing" and importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
     rc = main(args(f))
     line = one_line_error(capsys)
     assert rc == 2 and message in line, line
@@ -242,3 +255,22 @@ def test_debug_shows_the_traceback_and_no_debug_does_not(f):
     assert p.returncode != 0 and "Traceback" in p.stderr and "UserError" in p.stderr
     p = subprocess.run([*cmd[:3], "--debug", "trian"], capture_output=True, text=True)
     assert p.returncode != 0 and "Traceback" in p.stderr
+
+
+def test_hub_id_without_network_fails_at_once(f, capsys, monkeypatch):
+    """No retries, no download attempt: the Hub is probed once (here a closed port on this machine)."""
+    import huggingface_hub.constants
+    import transformers
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+
+    def no_download(*a, **k):
+        raise AssertionError("from_pretrained was called")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_download)
+    rc = main(["eval", CONFIG, *f.tiny, "model.name=nobody/no-such-model"])
+    line = one_line_error(capsys)
+    assert rc == 2 and "is a hub id, but the Hub (http://127.0.0.1:9) cannot be reached" in line, line
+    assert "give its folder: model.name=/path/to/folder" in line

@@ -2,7 +2,7 @@
 three moments of a checkpoint write (adapters half written, before the rename, before ``latest``
 moves), and at random moments, resumes from its last complete checkpoint and ends with the same
 metrics, weights and evaluation as a run that was never interrupted. SIGINT stops after writing a
-checkpoint. Every run here is a separate process on the tiny model with one thread, so that the
+checkpoint, and so does SIGTERM. Every run here is a separate process on the tiny model with one thread, so that the
 runs compared are computed the same way."""
 import json
 import os
@@ -148,16 +148,18 @@ def test_killed_at_random_moments_resumes_to_the_same_result(setup):
     assert_same_run(straight, run)
 
 
-def test_sigint_stops_after_writing_a_checkpoint(setup):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+def test_sigint_or_sigterm_stops_after_writing_a_checkpoint(setup, sig):
+    """Ctrl-C, and SIGTERM (what SLURM, Kubernetes and ``timeout`` send before a kill), alike."""
     folder, over, straight = setup
-    run = folder / "interrupted"
+    run = folder / f"interrupted-{sig.name}"
     proc = subprocess.Popen([sys.executable, "-m", "marft.cli", "train", "configs/duo_arithmetic.yaml", *over,
                              f"output_dir={run}"], cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = run / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while not (metrics.is_file() and metrics.read_text().strip()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=300)
     done = len(metrics.read_text().splitlines())
     if done < ITERATIONS:  # stopped early: the iteration in progress was finished and saved

@@ -138,3 +138,25 @@ def test_training_with_the_vllm_engine_serves_every_update(setup, tmp_path):
     hf = HFEngine(models)
     for agent in team.names:  # the engine now acts with the trained adapters
         assert replies(engine, agent).texts == replies(hf, agent).texts
+
+
+def test_marft_eval_on_the_vllm_engine_scores_as_the_hf_engine(setup, tmp_path, capsys):
+    """``marft eval ... rollout.engine=vllm`` end to end (its own engine, closed after), greedy:
+    the same transcripts and per-problem results as the HF engine's evaluation."""
+    from marft.cli import main
+
+    _, models, _ = setup
+    folder = next(iter(models.bases.values())).base_model.model.name_or_path
+    common = ["configs/duo_arithmetic.yaml", f"model.name={folder}", "model.dtype=float32", "model.device=cpu",
+              "rollout.max_new_tokens=8", "team.max_new_tokens={}", "rollout.episodes=4", "eval.problems=6",
+              "eval.temperature=0", "rollout.vllm.kv_cache_gb=1", "rollout.vllm.max_model_len=512"]
+    results = {}
+    for engine in ("hf", "vllm"):
+        out = tmp_path / f"{engine}.json"
+        assert main(["eval", *common, f"rollout.engine={engine}", f"eval.output={out}"]) == 0
+        results[engine] = __import__("json").loads(out.read_text())
+    hf, vl = results["hf"], results["vllm"]
+    assert hf["per_problem_success"] == vl["per_problem_success"]
+    assert [[x["reply"] for x in t["turns"]] for t in hf["transcripts"]] == \
+           [[x["reply"] for x in t["turns"]] for t in vl["transcripts"]]
+    assert hf["generated_tokens"] == vl["generated_tokens"] > 0

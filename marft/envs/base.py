@@ -25,6 +25,9 @@ The protocol (what the rollout and ``marft env-check`` rely on)::
 - ``infos[agent]`` holds, after a completed step, at least ``success`` (bool: the team's answer
   was right) and ``extracted`` (bool: an answer could be read from the graded reply).
 - ``state()`` is the global state for a centralised critic: the whole transcript so far as text.
+- ``step()`` on a finished episode (``agents`` empty) must raise (for example ``RuntimeError``),
+  not start a new episode or return quietly: a caller that keeps stepping has a bug, and
+  ``marft env-check`` fails an environment that lets it pass. ``reset()`` starts the next episode.
 
 Environments are constructed with keyword arguments: ``agents`` (names in acting order),
 ``answering`` (the names whose replies are graded), ``horizon`` (maximum steps) and the task's
@@ -82,6 +85,7 @@ class TeamEnv:
         raise NotImplementedError
 
     def step(self, action: str) -> None:
+        """Act for ``agent_selection`` with its whole reply; raise if the episode has ended."""
         raise NotImplementedError
 
     def last(self) -> tuple[str, float, bool, bool, dict]:
