@@ -114,6 +114,10 @@ class VLLMSettings:
     """CPU: the KV cache's size in whole GiB (``VLLM_CPU_KVCACHE_SPACE``)."""
     max_model_len: int = 4096
     """Longest prompt + reply a request may have."""
+    max_num_batched_tokens: int = 0
+    """Tokens one engine step may process; 0: vLLM's default on a GPU, 65536 on a CPU (vLLM 0.32's
+    CPU backend fails when it splits a seeded request's prompt across steps, so there the budget is
+    set high enough that a rollout's prompts are never split)."""
     enforce_eager: bool = True
     """No torch.compile / CUDA graphs: start-up in seconds instead of minutes (on CPU with LoRA vLLM
     runs eager anyway)."""
@@ -424,6 +428,8 @@ def validate(cfg: RunConfig) -> None:
     _check(0 < v.gpu_memory_utilization <= 1, f"rollout.vllm.gpu_memory_utilization must be in (0, 1], got {v.gpu_memory_utilization}")
     _check(v.kv_cache_gb >= 1, f"rollout.vllm.kv_cache_gb must be a whole number of GiB, at least 1, got {v.kv_cache_gb}")
     _check(v.max_model_len >= 16, f"rollout.vllm.max_model_len must be at least 16, got {v.max_model_len}")
+    _check(v.max_num_batched_tokens == 0 or v.max_num_batched_tokens >= v.max_model_len,
+           f"rollout.vllm.max_num_batched_tokens must be 0 (default) or at least max_model_len ({v.max_model_len}), got {v.max_num_batched_tokens}")
     e = cfg.eval
     _check(e.problems >= 1, f"eval.problems must be at least 1, got {e.problems}")
     _check(e.samples >= 1, f"eval.samples must be at least 1, got {e.samples}")

@@ -37,6 +37,7 @@ from ..generation import Generated, Sampling, _render
 from ..models import TeamModel, resolve_model, stop_token_ids
 from .base import Engine, Reply, pack
 
+CPU_BATCHED_TOKENS = 65536
 MISSING = ("rollout.engine=vllm needs vLLM, which is not installed: on a GPU machine pip install 'marft[vllm]'; "
            "on a CPU run bash scripts/setup.sh --vllm (vLLM's CPU build), or use rollout.engine=hf")
 
@@ -93,6 +94,12 @@ class VLLMEngine(Engine):
                           logprobs_mode="processed_logprobs", enable_prefix_caching=True)
             if self.gpu:
                 kwargs.update(gpu_memory_utilization=settings.gpu_memory_utilization, enable_sleep_mode=settings.sleep)
+            # CPU: vLLM 0.32 cannot roll back a CPU torch.Generator ("CPU Generator does not use
+            # offset") when chunked prefill splits a seeded request's prompt across steps; a budget
+            # that holds a whole rollout's prompts avoids the split
+            budget = settings.max_num_batched_tokens or (0 if self.gpu else CPU_BATCHED_TOKENS)
+            if budget:
+                kwargs["max_num_batched_tokens"] = max(budget, settings.max_model_len)
             try:
                 self.llms[base] = LLM(**kwargs)
             except Exception as e:  # noqa: BLE001 - vLLM's own errors are long; keep their gist
