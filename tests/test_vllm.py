@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from conftest import build_tiny_model
+from test_rollout import EchoEnv as Echo  # Problem i is "Compute i + 1."
 from marft.config import load_config
 from marft.engines.hf import HFEngine
-from marft.envs.base import Grade, Problem, TurnBasedEnv
 from marft.generation import Sampling
 from marft.models import TeamModel
 from marft.rollout import rollout
@@ -29,17 +29,6 @@ pytestmark = [
 GREEDY = Sampling(temperature=0.0, max_new_tokens=12)
 CHATS = [[{"role": "system", "content": "You are the planner."}, {"role": "user", "content": f"Calculate {a} + {b}."}]
          for a, b in [(1, 2), (12, 7), (3, 9), (0, 0), (5, 5), (8, 1)]]
-
-
-class Echo(TurnBasedEnv):
-    """Two steps; reward when the solver's reply mentions the answer (rarely, for a random model)."""
-
-    def new_problem(self, rng, split, index):
-        i = index if index is not None else rng.randint(0, 99)
-        return Problem(f"Compute {i} + 1.", str(i + 1))
-
-    def grade(self, problem, reply):
-        return Grade(problem.answer in reply, True, feedback="wrong")
 
 
 def perturb(models, adapter, seed):

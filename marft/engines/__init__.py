@@ -3,7 +3,7 @@
 interface a rollout uses; only :mod:`.vllm` imports vLLM, and only when it is asked for."""
 from __future__ import annotations
 
-from .base import Engine, Reply, pack, unpack
+from .base import Engine, Reply, pack
 from .hf import HFEngine
 
 
@@ -16,4 +16,4 @@ def make_engine(cfg, models) -> Engine:
     return HFEngine(models, fast=cfg.train.fast)
 
 
-__all__ = ["Engine", "HFEngine", "Reply", "make_engine", "pack", "unpack"]
+__all__ = ["Engine", "HFEngine", "Reply", "make_engine", "pack"]

@@ -92,12 +92,3 @@ def pack(replies: list[Reply], pad_id: int) -> Generated:
     return Generated(prompt_ids, prompt_mask, response_ids, response_mask, logprobs, truncated,
                      [r.text for r in replies], work)
 
-
-def unpack(out: Generated) -> list[Reply]:
-    """The rows of a batch as single replies (padding removed)."""
-    rows = []
-    for i in range(len(out.texts)):
-        pm, rm = out.prompt_mask[i], out.response_mask[i]
-        rows.append(Reply(out.prompt_ids[i][pm].tolist(), out.response_ids[i][rm].tolist(),
-                          out.logprobs[i][rm].tolist(), bool(out.truncated[i]), out.texts[i]))
-    return rows
