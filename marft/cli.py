@@ -51,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
     ck = sub.add_parser("env-check", help="check that an environment class follows marft's environment API")
-    ck.add_argument("env", help="module:Class or path/to/file.py:Class")
+    ck.add_argument("env", help="module:Class or path/to/file.py:Class, or a task kind: math, dataset, code, reasoning_gym")
     ck.add_argument("options", nargs="*", help="key=value constructor options of the environment")
     ck.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return p
@@ -139,11 +139,11 @@ def prepare(cfg):
 
 def env_factory(cfg, team):
     """The environment factory of ``cfg.task`` for ``team`` (the whole team or a part of it)."""
-    from .envs import make_env_factory
+    from .envs import DATASET_KEYS, make_env_factory
 
     t = cfg.task
     return make_env_factory(t.kind, team.names, team.answering, t.horizon, t.name, dict(t.options),
-                            t.train_path, t.test_path, t.env)
+                            t.train_path, t.test_path, t.env, {k: getattr(t, k) for k in DATASET_KEYS})
 
 
 def make_dir(path: Path, key: str) -> Path:
@@ -165,7 +165,7 @@ def cmd_eval(args) -> int:
     cfg = load_config(args.config, args.overrides)
     console = Console(stderr=True, soft_wrap=True)  # log lines are not wrapped at 80 columns when piped
     console.print(f"[bold]marft eval[/] {args.config}: team {' -> '.join(a.name for a in cfg.team.agents)}, "
-                  f"model {cfg.model.name}, task {cfg.task.kind}:{cfg.task.name if cfg.task.kind == 'reasoning_gym' else cfg.task.test_path or cfg.task.env}")
+                  f"model {cfg.model.name}, task {cfg.task.kind}:{cfg.task.name if cfg.task.kind == 'reasoning_gym' else cfg.task.test_path or cfg.task.env or cfg.task.dataset}")
     out = Path(cfg.eval.output or Path(cfg.output_dir) / "eval.json")
     make_dir(out.parent, "eval.output" if cfg.eval.output else "output_dir")  # fail now, not after the evaluation
     team, models, make_env = prepare(cfg)

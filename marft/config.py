@@ -86,20 +86,42 @@ class TeamConfig:
 class TaskConfig:
     kind: str = "reasoning_gym"
     """``reasoning_gym`` (procedural, no files), ``math`` (GSM8K/MATH-shaped files), ``code``
-    (MBPP / HumanEval, run in a sandbox) or ``custom``."""
+    (MBPP / HumanEval, run in a sandbox), ``dataset`` (a data set + a reward function, see
+    :mod:`marft.envs.dataset`) or ``custom``."""
     name: str = "basic_arithmetic"
     """reasoning_gym: the dataset name (``basic_arithmetic``, ``chain_sum``, ``gsm_symbolic`` ...);
     code: ``mbpp`` or ``humaneval``."""
     options: dict = field(default_factory=dict)
     """Options for the reasoning_gym dataset (e.g. ``{min_terms: 2, max_terms: 2}``), the code task
     (``reward: all | fraction``, ``timeout_s``, ``workers``, ``test_split``, ... see
-    :class:`marft.envs.code.CodeEnv`), or keyword arguments of a custom environment."""
+    :class:`marft.envs.code.CodeEnv`), the dataset task (``instruction``: the text answering agents
+    get after the prompt), or keyword arguments of a custom environment."""
     train_path: str = ""
     """math: the training file (.json list or .jsonl); code: the MBPP file (split by task id)."""
     test_path: str = ""
     """math: the held-out file; code: the MBPP file (either path is enough)."""
     env: str = ""
     """custom: ``module:Class`` or ``path/to/file.py:Class`` of a :class:`marft.envs.TeamEnv`."""
+    dataset: str = ""
+    """dataset: a Hub id (``openai/gsm8k``, needs network or the datasets cache), or a local
+    ``.jsonl``/``.json``/``.csv``/``.parquet`` file or a folder of them, read with ``datasets``."""
+    dataset_config: str = ""
+    """dataset: the Hub config name (``main`` for openai/gsm8k); empty = none. Unused for local files."""
+    train_split: str = "train"
+    """dataset: the split trained on; slices work (``train[:90%]``)."""
+    test_split: str = "test"
+    """dataset: the split evaluated on. A data set without a ``test`` split that has only the one
+    split ``train_split`` (a single local file) holds out its last tenth (rounded up) as the test split."""
+    prompt_column: str = "question"
+    """dataset: the column shown to the team (non-empty text in every record)."""
+    answer_column: str = "answer"
+    """dataset: the gold answer's column (must exist; ``""`` if the reward needs none). The reward
+    gets the whole record anyway."""
+    reward: str = ""
+    """dataset: ``module:function`` or ``path/to/file.py:function``, called as
+    ``reward(reply: str, record: dict) -> float | bool`` per answering agent and step."""
+    success_threshold: float = 1.0
+    """dataset: a reply whose reward is at least this counts as solved (success, ends the episode)."""
     horizon: int = 1
     """H: the most steps (team attempts) per episode."""
 
@@ -243,6 +265,35 @@ class TrainConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """Ray (``pip install marft[ray]``; see docs/scaling.md). ``rollout_workers: 0`` (the default)
+    trains in one process without Ray."""
+
+    address: str = "local"
+    """``local``: start Ray on this machine with its resources; ``auto`` or ``ray://host:port``: join
+    an existing cluster."""
+    rollout_workers: int = 0
+    """Rollout worker actors (each holds the base model once with every adapter, and its engine);
+    the episodes of an iteration are split among them. 0: no Ray, everything in this process."""
+    worker_cpus: float = 1.0
+    """CPUs each rollout worker asks Ray for (also its torch threads, rounded down, at least 1)."""
+    worker_gpus: float = 0.0
+    """GPUs each rollout worker asks Ray for (fractions share a GPU)."""
+    learner_cpus: float = 1.0
+    """CPUs each learner process asks for (also its torch threads)."""
+    learner_gpus: float = 0.0
+    """GPUs each learner process asks for."""
+    learners_per_adapter: int = 1
+    """Data-parallel learner processes per trained adapter (torch.distributed among them: gloo on
+    CPU, NCCL on GPU); each minibatch's micro-batches are split among them and gradients summed."""
+    colocate: list[list[str]] = field(default_factory=list)
+    """Groups of adapters whose learners share one placement group bundle (one device), e.g.
+    ``[[planner, solver]]``; adapters not named get their own."""
+    max_worker_restarts: int = 3
+    """A rollout worker that dies is replaced and its episodes replayed, at most this many times per run."""
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     team: TeamConfig = field(default_factory=TeamConfig)
@@ -250,6 +301,7 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     seed: int = 0
     output_dir: str = "runs/default"
     """Run folder: metrics, checkpoints, evaluation results."""
@@ -436,12 +488,20 @@ def validate(cfg: RunConfig) -> None:
     _check(e.transcripts >= 0, f"eval.transcripts must be 0 (none) or more, got {e.transcripts}")
     _check(e.temperature >= 0, f"eval.temperature must be 0 (greedy) or positive, got {e.temperature}")
     t = cfg.task
-    _check(t.kind in ("reasoning_gym", "math", "code", "custom"),
-           f"task.kind must be reasoning_gym, math, code or custom, got {t.kind!r}")
+    _check(t.kind in ("reasoning_gym", "math", "code", "dataset", "custom"),
+           f"task.kind must be reasoning_gym, math, code, dataset or custom, got {t.kind!r}")
     _check(t.horizon >= 1, f"task.horizon must be at least 1, got {t.horizon}")
     _check(t.kind != "math" or bool(t.train_path or t.test_path),
            "task.kind is math but neither task.train_path nor task.test_path is set")
     _check(t.kind != "custom" or ":" in t.env, "task.kind is custom: set task.env to module:Class")
+    if t.kind == "dataset":
+        _check(bool(t.dataset), "task.kind is dataset but task.dataset is not set; give a Hub id (openai/gsm8k) "
+                                "or a .jsonl, .json, .csv or .parquet file or folder")
+        _check(":" in t.reward, "task.kind is dataset: set task.reward to module:function or path/to/file.py:function, "
+                                "called as reward(reply, record) -> float")
+        _check(bool(t.prompt_column), "task.prompt_column is empty; name the column that holds the prompt")
+        _check(t.success_threshold == t.success_threshold and abs(t.success_threshold) != float("inf"),
+               f"task.success_threshold must be a finite number, got {t.success_threshold}")
     tr = cfg.train
     _check(tr.algorithm in ("marft", "marft-token", "ippo", "grpo"),
            f"train.algorithm must be marft, marft-token, ippo or grpo, got {tr.algorithm!r}")
@@ -466,7 +526,31 @@ def validate(cfg: RunConfig) -> None:
     _check(cfg.threads >= 0, f"threads must be 0 (default) or positive, got {cfg.threads}")
     from .team import build_team
 
-    build_team(cfg.team)  # names, graph, adapters: raises UserError with the reason
+    team = build_team(cfg.team)  # names, graph, adapters: raises UserError with the reason
+    _validate_cluster(cfg, team)
+
+
+def _validate_cluster(cfg: RunConfig, team) -> None:
+    c = cfg.cluster
+    _check(c.rollout_workers >= 0, f"cluster.rollout_workers must be 0 (no Ray) or more, got {c.rollout_workers}")
+    _check(c.learners_per_adapter >= 1, f"cluster.learners_per_adapter must be at least 1, got {c.learners_per_adapter}")
+    _check(c.max_worker_restarts >= 0, f"cluster.max_worker_restarts must be 0 or more, got {c.max_worker_restarts}")
+    for name in ("worker_cpus", "worker_gpus", "learner_cpus", "learner_gpus"):
+        _check(getattr(c, name) >= 0, f"cluster.{name} must be 0 or more, got {getattr(c, name)}")
+    _check(c.worker_cpus > 0 or c.worker_gpus > 0, "cluster.worker_cpus and cluster.worker_gpus are both 0; give a worker a CPU or a GPU")
+    _check(c.learner_cpus > 0 or c.learner_gpus > 0, "cluster.learner_cpus and cluster.learner_gpus are both 0; give a learner a CPU or a GPU")
+    _check(c.address == "local" or c.address == "auto" or c.address.startswith("ray://") or ":" in c.address,
+           f"cluster.address must be local, auto, ray://HOST:PORT or HOST:PORT, got {c.address!r}")
+    seen: set[str] = set()
+    for group in c.colocate:
+        for adapter in group:
+            _check(adapter in team.adapters, f"cluster.colocate names {adapter!r}, which is not one of the team's adapters "
+                                             f"({', '.join(team.adapters)})")
+            _check(adapter not in seen, f"cluster.colocate names adapter {adapter!r} in two groups; name it once")
+            seen.add(adapter)
+    if c.rollout_workers:
+        _check(c.learners_per_adapter == 1 or cfg.train.fast,
+               "cluster.learners_per_adapter > 1 needs train.fast: true (its micro-batches are what the learners split)")
 
 
 def to_dict(cfg: Any) -> dict:

@@ -91,9 +91,6 @@ def resolve_model(name: str, cache_dir: str = "") -> str:
 def _check_hub(name: str) -> None:
     """Fail at once, in one line, when a hub model is neither cached nor reachable (transformers
     would otherwise retry for about 46 s, printing a warning per retry, before failing)."""
-    import socket
-    from urllib.parse import urlparse
-
     from huggingface_hub import constants, try_to_load_from_cache
 
     if isinstance(try_to_load_from_cache(name, "config.json"), str):
@@ -101,13 +98,26 @@ def _check_hub(name: str) -> None:
     local = "download it where there is network and give its folder: model.name=/path/to/folder"
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or constants.HF_HUB_OFFLINE:
         raise UserError(f"model {name!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; {local}")
+    endpoint, why = hub_unreachable()
+    if why:
+        raise UserError(f"model {name!r} is a hub id, but the Hub ({endpoint}) cannot be reached ({why}); {local}")
+
+
+def hub_unreachable() -> tuple[str, str | None]:
+    """(the Hub's endpoint, why it cannot be reached, or None): one TCP connection, at most 5 s,
+    instead of the libraries' retries."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
     endpoint = os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
     url = urlparse(endpoint)
     try:
         socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=5).close()
     except OSError as e:
-        raise UserError(f"model {name!r} is a hub id, but the Hub ({endpoint}) cannot be reached "
-                        f"({e.strerror or type(e).__name__}); {local}") from None
+        return endpoint, e.strerror or type(e).__name__
+    return endpoint, None
 
 
 def _convert_gguf(gguf: Path, target: Path) -> Path:

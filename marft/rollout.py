@@ -101,6 +101,44 @@ class Rollout:
         return int(sum(t.response_mask.sum() for t in self.turns))
 
 
+def _pad_rows(tensors: list[torch.Tensor], width: int, left: bool) -> torch.Tensor:
+    """[b_k, w_k] tensors stacked to [sum b_k, width], zero-padded on the left or the right."""
+    pad = lambda x: torch.nn.functional.pad(x, (width - x.shape[1], 0) if left else (0, width - x.shape[1]))  # noqa: E731
+    return torch.cat([pad(x) for x in tensors])
+
+
+def merge_rollouts(parts: list[Rollout], agents: list[str]) -> Rollout:
+    """Rollouts of consecutive shards of one batch of episodes (the rollout workers' shares) as one:
+    episodes renumbered in shard order, each micro-step's rows side by side (prompts left-padded,
+    replies right-padded to the widest shard); ``agents`` gives the acting order. Wall times are the
+    slowest shard's (the shards ran at once); FLOPs add up. One part is returned as it is."""
+    if len(parts) == 1:
+        return parts[0]
+    offsets, total = [], 0
+    for part in parts:
+        offsets.append(total)
+        total += len(part.steps)
+    by_key: dict[tuple[int, str], list[tuple[int, Turn]]] = {}
+    for k, part in enumerate(parts):
+        for t in part.turns:
+            by_key.setdefault((t.step, t.agent), []).append((offsets[k], t))
+    turns = []
+    for step, agent in sorted(by_key, key=lambda key: (key[0], agents.index(key[1]))):
+        got = by_key[(step, agent)]
+        ts = [t for _, t in got]
+        P = max(t.prompt_ids.shape[1] for t in ts)
+        R = max(t.response_ids.shape[1] for t in ts)
+        turns.append(Turn(step, agent, torch.cat([t.episodes + off for off, t in got]),
+                          _pad_rows([t.prompt_ids for t in ts], P, True), _pad_rows([t.prompt_mask for t in ts], P, True),
+                          _pad_rows([t.response_ids for t in ts], R, False), _pad_rows([t.response_mask for t in ts], R, False),
+                          _pad_rows([t.logprobs for t in ts], R, False), torch.cat([t.truncated for t in ts]),
+                          [x for t in ts for x in t.texts], [x for t in ts for x in t.states]))
+    cat = lambda name: torch.cat([getattr(p, name) for p in parts])  # noqa: E731
+    return Rollout(turns, cat("rewards"), cat("agent_rewards"), cat("dones"), cat("steps"), cat("success"),
+                   cat("extracted"), max(p.seconds for p in parts), max(p.gen_seconds for p in parts),
+                   [i for p in parts for i in p.infos], cat("failed"), sum(p.gen_flops for p in parts))
+
+
 class EpisodeTimeout(BaseException):
     """Raised inside an environment call that ran past ``env_timeout_s`` (a BaseException, so that
     an environment's own ``except Exception`` does not swallow it)."""

@@ -34,6 +34,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -208,10 +209,14 @@ def run_sweep(sweep: Sweep, log=print, execute=None) -> int:
     def one(run: Run) -> None:
         run.folder.mkdir(parents=True, exist_ok=True)
 
-        def record():  # seconds: wall time of every attempt of this run, summed
+        machines = _recorded_machines(run.folder)
+        if machine() not in machines:
+            machines.append(machine())
+
+        def record():  # seconds: wall time of every attempt of this run, summed; machines: where they ran
             (run.folder / "sweep_run.json").write_text(json.dumps(
                 {"name": run.name, "labels": run.labels, "overrides": [*sweep.common, *run.overrides],
-                 "seconds": round(run.seconds, 1)}, indent=2))
+                 "seconds": round(run.seconds, 1), "machines": machines}, indent=2))
 
         record()
         cmd = _command(sweep, run, threads)
@@ -252,6 +257,29 @@ def _recorded_seconds(folder: Path) -> float:
         return float(json.loads((folder / "sweep_run.json").read_text()).get("seconds", 0.0))
     except (OSError, ValueError, TypeError, AttributeError):
         return 0.0
+
+
+def _recorded_machines(folder: Path) -> list[str]:
+    try:
+        found = json.loads((folder / "sweep_run.json").read_text()).get("machines", [])
+        return [str(m) for m in found] if isinstance(found, list) else []
+    except (OSError, ValueError, TypeError, AttributeError):
+        return []
+
+
+def machine() -> str:
+    """The CPU a run ran on, with its matrix extension and core count: numbers differ across machines."""
+    name, flags = platform.processor() or "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    extension = "AMX" if "amx_bf16" in flags else "AVX-512 BF16" if "avx512_bf16" in flags else "no bf16"
+    return f"{name}, {extension}, {os.cpu_count()} cores"
 
 
 def _execute(cmd: list[str], log_path: Path) -> int:

@@ -47,90 +47,97 @@ def cmd_train(args) -> int:
                             "or choose another output_dir=...")
         make_dir(run_dir, "output_dir")
     team, models, make_env = prepare(cfg)
-    trainer = Trainer(cfg, team, models, make_env, log=lambda m: console.print(f"[yellow]{m}[/]"))
-    atexit.register(trainer.engine.close)  # a vllm engine's worker processes
-    if args.resume:
-        trainer.load(ckpt)  # every check passes before anything in the run folder changes
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
-    metrics_path = run_dir / "metrics.jsonl"
-    probe = make_env()
-    num = probe.num_problems("test") if hasattr(probe, "num_problems") else None
-
-    def run_eval(tag: str, without: tuple = ()) -> dict:
-        t0 = time.perf_counter()
-        part = team.without(without) if without else team
-        res = evaluate(cfg, part, trainer.engine, env_factory(cfg, part) if without else make_env, num)
-        res["iteration"] = trainer.iteration
-        res["without"] = list(without)
-        write_json(res, run_dir / f"eval_{tag}.json")
-        lo, hi = res["ci95"]
-        console.print(f"eval {tag}: accuracy {100 * res['accuracy']:.1f}% (95% CI {100 * lo:.1f}-{100 * hi:.1f}), "
-                      f"{res['problems']}x{res['samples']} problems, {time.perf_counter() - t0:.0f} s")
-        return res
-
-    if args.resume:
-        truncate_metrics(metrics_path, trainer.iteration)
-        console.print(f"resumed {run_dir} at iteration {trainer.iteration} from {ckpt.name}")
-    else:
-        metrics_path.unlink(missing_ok=True)
-        console.print(f"[bold]marft train[/] {args.config}: {cfg.train.algorithm}, team {' -> '.join(team.names)}"
-                      f"{' (shared adapter)' if cfg.team.share_adapter else ''}, {cfg.train.iterations} iterations "
-                      f"x {cfg.rollout.episodes} episodes, run folder {run_dir}")
-        if cfg.eval.before or cfg.train.iterations == 0:
-            run_eval("untrained")
-    writer = _tensorboard(run_dir, trainer.iteration + 1 if args.resume else None)
-    stop = {"now": False}
-
-    def on_stop(signum, frame):
-        if stop["now"]:
-            raise KeyboardInterrupt
-        stop["now"] = True
-        what = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
-        console.print(f"[yellow]{what}: stopping after this iteration (the same signal again aborts without a checkpoint)[/]")
-
-    # SIGTERM (what SLURM, Kubernetes and `timeout` send before they kill) is treated like Ctrl-C
-    previous = {s: signal.signal(s, on_stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    start, done_here = time.perf_counter(), 0
+    make = Trainer
+    if cfg.cluster.rollout_workers:  # Ray: rollout workers and learners as actors (docs/scaling.md)
+        from .distributed import DistributedTrainer as make
+    trainer = make(cfg, team, models, make_env, log=lambda m: console.print(f"[yellow]{m}[/]"))
+    atexit.register(trainer.close)  # a vllm engine's worker processes, Ray's actors
     try:
-        while trainer.iteration < cfg.train.iterations and not stop["now"]:
-            m = trainer.iteration_step()
-            done_here += 1
-            append_metrics(metrics_path, m)
-            if writer:
-                for k, v in m.items():
-                    if isinstance(v, (int, float)) and not isinstance(v, bool):
-                        writer.add_scalar(k, v, m["iteration"])
-                writer.flush()
-            left = (time.perf_counter() - start) / done_here * (cfg.train.iterations - trainer.iteration)
-            console.print(_line(m, cfg.train.iterations, left))
-            last = trainer.iteration == cfg.train.iterations
-            if trainer.iteration % cfg.train.save_every == 0 or last or stop["now"]:
-                trainer.save()
-            if cfg.train.eval_every and trainer.iteration % cfg.train.eval_every == 0 and not last:
-                res = run_eval(f"iter_{trainer.iteration:06d}")
-                if writer:
-                    writer.add_scalar("eval/accuracy", res["accuracy"], trainer.iteration)
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    if stop["now"]:
-        console.print(f"stopped at iteration {trainer.iteration}; continue with: marft train --resume {run_dir}")
-        return 130
-    if trainer.iteration == 0 and (run_dir / "eval_untrained.json").is_file():  # train.iterations=0: a baseline run
-        final = json.loads((run_dir / "eval_untrained.json").read_text())
-        write_json(final, run_dir / "eval_final.json")
-    else:
-        final = run_eval("final")
-    if cfg.eval.ablate:
-        for agent in [a.name for a in team.agents if any(a.name in b.sees for b in team.agents)]:
-            run_eval(f"final_without_{agent}", (agent,))
-    if writer:
-        writer.add_scalar("eval/accuracy", final["accuracy"], trainer.iteration)
-        writer.close()
-    _print_comparison(run_dir, final)
-    return 0
+        if args.resume:
+            trainer.load(ckpt)  # every check passes before anything in the run folder changes
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+        metrics_path = run_dir / "metrics.jsonl"
+        probe = make_env()
+        num = probe.num_problems("test") if hasattr(probe, "num_problems") else None
 
+        def run_eval(tag: str, without: tuple = ()) -> dict:
+            t0 = time.perf_counter()
+            part = team.without(without) if without else team
+            res = evaluate(cfg, part, trainer.engine, env_factory(cfg, part) if without else make_env, num)
+            res["iteration"] = trainer.iteration
+            res["without"] = list(without)
+            write_json(res, run_dir / f"eval_{tag}.json")
+            lo, hi = res["ci95"]
+            console.print(f"eval {tag}: accuracy {100 * res['accuracy']:.1f}% (95% CI {100 * lo:.1f}-{100 * hi:.1f}), "
+                          f"{res['problems']}x{res['samples']} problems, {time.perf_counter() - t0:.0f} s")
+            return res
+
+        if args.resume:
+            truncate_metrics(metrics_path, trainer.iteration)
+            console.print(f"resumed {run_dir} at iteration {trainer.iteration} from {ckpt.name}")
+        else:
+            metrics_path.unlink(missing_ok=True)
+            console.print(f"[bold]marft train[/] {args.config}: {cfg.train.algorithm}, team {' -> '.join(team.names)}"
+                          f"{' (shared adapter)' if cfg.team.share_adapter else ''}, {cfg.train.iterations} iterations "
+                          f"x {cfg.rollout.episodes} episodes, run folder {run_dir}")
+            if cfg.eval.before or cfg.train.iterations == 0:
+                run_eval("untrained")
+        writer = _tensorboard(run_dir, trainer.iteration + 1 if args.resume else None)
+        stop = {"now": False}
+
+        def on_stop(signum, frame):
+            if stop["now"]:
+                raise KeyboardInterrupt
+            stop["now"] = True
+            what = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+            console.print(f"[yellow]{what}: stopping after this iteration (the same signal again aborts without a checkpoint)[/]")
+
+        # SIGTERM (what SLURM, Kubernetes and `timeout` send before they kill) is treated like Ctrl-C
+        previous = {s: signal.signal(s, on_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        start, done_here = time.perf_counter(), 0
+        try:
+            while trainer.iteration < cfg.train.iterations and not stop["now"]:
+                m = trainer.iteration_step()
+                done_here += 1
+                append_metrics(metrics_path, m)
+                if writer:
+                    for k, v in m.items():
+                        if isinstance(v, (int, float)) and not isinstance(v, bool):
+                            writer.add_scalar(k, v, m["iteration"])
+                    writer.flush()
+                left = (time.perf_counter() - start) / done_here * (cfg.train.iterations - trainer.iteration)
+                console.print(_line(m, cfg.train.iterations, left))
+                last = trainer.iteration == cfg.train.iterations
+                if trainer.iteration % cfg.train.save_every == 0 or last or stop["now"]:
+                    trainer.save()
+                if cfg.train.eval_every and trainer.iteration % cfg.train.eval_every == 0 and not last:
+                    res = run_eval(f"iter_{trainer.iteration:06d}")
+                    if writer:
+                        writer.add_scalar("eval/accuracy", res["accuracy"], trainer.iteration)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        if stop["now"]:
+            console.print(f"stopped at iteration {trainer.iteration}; continue with: marft train --resume {run_dir}")
+            return 130
+        if trainer.iteration == 0 and (run_dir / "eval_untrained.json").is_file():  # train.iterations=0: a baseline run
+            final = json.loads((run_dir / "eval_untrained.json").read_text())
+            write_json(final, run_dir / "eval_final.json")
+        else:
+            final = run_eval("final")
+        if cfg.eval.ablate:
+            for agent in [a.name for a in team.agents if any(a.name in b.sees for b in team.agents)]:
+                run_eval(f"final_without_{agent}", (agent,))
+        if writer:
+            writer.add_scalar("eval/accuracy", final["accuracy"], trainer.iteration)
+            writer.close()
+        _print_comparison(run_dir, final)
+        return 0
+
+    finally:  # the engine's processes and Ray's actors go now, not at exit
+        trainer.close()
+        atexit.unregister(trainer.close)
 
 def _check_same_run(saved, cfg, ckpt: Path) -> None:
     """What a resumed run may not change: its team, adapters, algorithm and LoRA shape (the

@@ -85,6 +85,7 @@ class Trainer:
         self._flops = dict.fromkeys(("behaviour", "learner"), 0.0)  # needed FLOPs in this iteration
         self._behaviour_s = 0.0
         self._critic_work = packing.Work()
+        self._dp_group = None  # a torch.distributed group of data-parallel learners (marft.distributed)
 
     # ------------------------------------------------------------------ one iteration
     def iteration_step(self) -> dict:
@@ -181,20 +182,18 @@ class Trainer:
                 "responses/empty": sum(not x.strip() for x in texts) / max(len(texts), 1),
                 "responses/truncated": float(torch.cat([t.truncated.float() for t in out.turns]).mean())}
 
-    def _rollout(self, it: int) -> Rollout:
+    def _resets(self, it: int) -> list[tuple[int, dict]]:
+        """The (seed, options) of each training episode of iteration ``it`` (grpo: groups of one problem)."""
         cfg, tr = self.cfg, self.cfg.train
         rng = random.Random(_seed(cfg, it))
         E = cfg.rollout.episodes
         if self.algorithm == "grpo":
             problems = [rng.randrange(2**62) for _ in range(E // tr.group_size)]
-            resets = [(p, {"split": "train"}) for p in problems for _ in range(tr.group_size)]
-        else:
-            resets = [(rng.randrange(2**62), {"split": "train"}) for _ in range(E)]
-        r = cfg.rollout
-        sampling = Sampling(r.temperature, r.top_p, r.top_k, r.max_new_tokens, tuple(r.stop))
-        generator = torch.Generator().manual_seed(_seed(cfg, it, 1))
-        return rollout(self.team, self.engine, self.make_env, resets, sampling, cfg.task.horizon, generator,
-                       env_timeout_s=r.env_timeout_s, schedule=r.schedule)
+            return [(p, {"split": "train"}) for p in problems for _ in range(tr.group_size)]
+        return [(rng.randrange(2**62), {"split": "train"}) for _ in range(E)]
+
+    def _rollout(self, it: int) -> Rollout:
+        return play(self.cfg, self.team, self.engine, self.make_env, self._resets(it), _seed(self.cfg, it, 1))
 
     def _trained_agents(self, it: int) -> list[str]:
         tr = self.cfg.train
@@ -302,75 +301,113 @@ class Trainer:
 
     # ------------------------------------------------------------------ step 6
     def _update_policy(self, out: Rollout, targets: list[TurnTargets], trained: list[str]) -> dict:
-        tr = self.cfg.train
         stats: dict = {}
+        plan = self._plan_policy(out, targets, trained)
+        gap: list[tuple[float, int]] = []
+        self._rows = [packing.unpad(t.prompt_ids, t.prompt_mask, t.response_ids, t.response_mask) for t in out.turns]
+        for adapter, (rows, orders) in plan["adapters"].items():
+            stats.update(self._update_adapter(out, plan["advantages"], adapter, rows, orders, gap, len(plan["adapters"])))
+        stats.update(_gap_stat(gap))
+        return stats
+
+    def _plan_policy(self, out: Rollout, targets: list[TurnTargets], trained: list[str]) -> dict:
+        """What the policy update of each trained adapter learns from, decided before any update:
+        ``adapters``: adapter -> (its rows (turn, row), one shuffled order of them per epoch);
+        ``advantages``: the normalised advantages per turn (normalised over the whole batch). Every
+        random choice is made here, so adapters can then be updated in any order, or at once."""
+        tr = self.cfg.train
         rows_by_adapter: dict[str, list[tuple[int, int]]] = {}
         for i, t in enumerate(out.turns):
             if t.agent in trained:
                 adapter = self.team[t.agent].adapter
                 rows_by_adapter.setdefault(adapter, []).extend((i, r) for r in range(len(t.episodes)))
-        norm_adv = self._normalised_advantages(out, targets)
-        gap = [0.0, 0]
-        self._rows = [packing.unpad(t.prompt_ids, t.prompt_mask, t.response_ids, t.response_mask) for t in out.turns]
         g = torch.Generator().manual_seed(_seed(self.cfg, self.iteration, 3))
-        for adapter, rows in rows_by_adapter.items():
-            params = self.models.adapter_parameters(adapter)
-            opt = self.policy_opt[adapter]
-            orders = [[rows[j] for j in torch.randperm(len(rows), generator=g).tolist()] for _ in range(tr.epochs)]
-            # behaviour log-probabilities; the fast path takes the first minibatch's from its own pass
-            # (no weight has moved yet when it runs)
-            self._pending_old = set(orders[0][:tr.minibatch_size]) if tr.fast and packing.REUSE_FIRST else set()
-            t0 = time.perf_counter()
-            recompute = [x for x in rows if x not in self._pending_old]
-            old = self._old_logprobs(out, recompute)
-            self._logprob_gap(out, old, recompute, gap)
-            self._behaviour_s += time.perf_counter() - t0
-            self._flops["behaviour"] += self._needed(adapter, recompute, backward=False)
-            agg = {"policy_loss": 0.0, "entropy": 0.0, "approx_kl": 0.0, "clip_fraction": 0.0, "kl_ref": 0.0, "grad_norm": 0.0}
-            n_mb, stopped = 0, False
-            for order in orders:
-                for lo in range(0, len(order), tr.minibatch_size):
-                    mb = order[lo:lo + tr.minibatch_size]
+        adapters = {a: (rows, [[rows[j] for j in torch.randperm(len(rows), generator=g).tolist()] for _ in range(tr.epochs)])
+                    for a, rows in rows_by_adapter.items()}
+        return {"adapters": adapters, "advantages": self._normalised_advantages(out, targets)}
+
+    def _update_adapter(self, out: Rollout, norm_adv: list, adapter: str, rows: list[tuple[int, int]],
+                        orders: list[list[tuple[int, int]]], gap: list, n_adapters: int) -> dict:
+        """PPO epochs over one adapter's ``rows`` in the given ``orders``; its stats. Needs
+        ``self._rows`` (packing rows of ``out``'s turns)."""
+        tr = self.cfg.train
+        stats: dict = {}
+        params = self.models.adapter_parameters(adapter)
+        opt = self.policy_opt[adapter]
+        # behaviour log-probabilities; the fast path takes the first minibatch's from its own pass
+        # (no weight has moved yet when it runs)
+        self._pending_old = set(orders[0][:tr.minibatch_size]) if tr.fast and packing.REUSE_FIRST and not self._dp_group else set()
+        t0 = time.perf_counter()
+        recompute = [x for x in rows if x not in self._pending_old]
+        old = self._old_logprobs(out, recompute)
+        self._logprob_gap(out, old, recompute, gap)
+        self._behaviour_s += time.perf_counter() - t0
+        self._flops["behaviour"] += self._needed(adapter, recompute, backward=False)
+        agg = {"policy_loss": 0.0, "entropy": 0.0, "approx_kl": 0.0, "clip_fraction": 0.0, "kl_ref": 0.0, "grad_norm": 0.0}
+        n_mb, stopped = 0, False
+        for order in orders:
+            for lo in range(0, len(order), tr.minibatch_size):
+                mb = order[lo:lo + tr.minibatch_size]
+                opt.zero_grad()
+                mb_stats = self._accumulate(out, mb, old, norm_adv, len(mb))
+                if self._dp_group:
+                    mb_stats = self._all_reduce(params, mb_stats)
+                self._flops["learner"] += self._needed(adapter, mb, backward=True)
+                if tr.kl_coef > 0:  # the reference policy's forward
+                    self._flops["learner"] += self._needed(adapter, mb, backward=False)
+                gn = torch.nn.utils.clip_grad_norm_(params, tr.max_grad_norm)
+                if not mb_stats.pop("used") or not torch.isfinite(gn):
+                    if torch.isfinite(gn):
+                        self.log(f"warning: every micro-batch of an update of adapter {adapter} was skipped at iteration {self.iteration}; update skipped")
+                    else:
+                        self.log(f"warning: non-finite gradient for adapter {adapter} at iteration {self.iteration}; update skipped")
                     opt.zero_grad()
-                    mb_stats = self._accumulate(out, mb, old, norm_adv, len(mb))
-                    self._flops["learner"] += self._needed(adapter, mb, backward=True)
-                    if tr.kl_coef > 0:  # the reference policy's forward
-                        self._flops["learner"] += self._needed(adapter, mb, backward=False)
-                    gn = torch.nn.utils.clip_grad_norm_(params, tr.max_grad_norm)
-                    if not mb_stats.pop("used") or not torch.isfinite(gn):
-                        if torch.isfinite(gn):
-                            self.log(f"warning: every micro-batch of an update of adapter {adapter} was skipped at iteration {self.iteration}; update skipped")
-                        else:
-                            self.log(f"warning: non-finite gradient for adapter {adapter} at iteration {self.iteration}; update skipped")
-                        opt.zero_grad()
-                        self._skip_update()
-                        continue
-                    opt.step()
-                    self.bad_in_a_row = 0
-                    for k in agg:
-                        agg[k] += mb_stats.get(k, 0.0) if k != "grad_norm" else float(gn)
-                    n_mb += 1
-                    if tr.target_kl and mb_stats["approx_kl"] > tr.target_kl:
-                        stopped = True
-                        break
-                if stopped:
+                    self._skip_update()
+                    continue
+                opt.step()
+                self._good_update()
+                for k in agg:
+                    agg[k] += mb_stats.get(k, 0.0) if k != "grad_norm" else float(gn)
+                n_mb += 1
+                if tr.target_kl and mb_stats["approx_kl"] > tr.target_kl:
+                    stopped = True
                     break
-            prefix = "" if len(rows_by_adapter) == 1 and adapter == "team" else f"{adapter}/"
-            for k, v in agg.items():
-                stats[prefix + k] = v / max(n_mb, 1)
-            stats[prefix + "early_stop"] = stopped
-        if gap[1]:
-            stats["rollout/logprob_gap"] = gap[0] / gap[1]
+            if stopped:
+                break
+        prefix = "" if n_adapters == 1 and adapter == "team" else f"{adapter}/"
+        for k, v in agg.items():
+            stats[prefix + k] = v / max(n_mb, 1)
+        stats[prefix + "early_stop"] = stopped
         return stats
+
+    def _good_update(self) -> None:
+        self.bad_in_a_row = 0
+
+    def _all_reduce(self, params: list, stats: dict) -> dict:
+        """Data-parallel learners (:mod:`marft.distributed`): sum the gradients and the statistics
+        of every learner's share of the minibatch's micro-batches."""
+        import torch.distributed as dist
+
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.flatten().float() for g in grads])
+        dist.all_reduce(flat, group=self._dp_group)
+        offset = 0
+        for p, g in zip(params, grads):
+            n = g.numel()
+            p.grad = flat[offset:offset + n].view_as(g).to(g.dtype)
+            offset += n
+        keys = sorted(stats)
+        vec = torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64)
+        dist.all_reduce(vec, group=self._dp_group)
+        return {k: (int(v) if k == "used" else float(v)) for k, v in zip(keys, vec.tolist())}
 
     @staticmethod
     def _logprob_gap(out: Rollout, old: dict, rows: list[tuple[int, int]], gap: list) -> None:
-        """Add to ``gap`` [sum, tokens] the |rollout - learner| behaviour log-probabilities of the
-        recomputed ``rows`` (``rollout/logprob_gap``: how far the engine's numerics are from the learner's)."""
+        """Append to ``gap`` (sum, tokens) of |rollout - learner| behaviour log-probabilities of each
+        recomputed row (``rollout/logprob_gap``: how far the engine's numerics are from the learner's)."""
         for i, r in rows:
             m = out.turns[i].response_mask[r]
-            gap[0] += float((out.turns[i].logprobs[r][m] - old[i][r][m]).abs().sum())
-            gap[1] += int(m.sum())
+            gap.append((float((out.turns[i].logprobs[r][m] - old[i][r][m]).abs().sum()), int(m.sum())))
 
     def _base(self, adapter: str | None = None):
         return self.models.bases[self.models.base_of[adapter or self.team.adapters[0]]]
@@ -467,12 +504,25 @@ class Trainer:
         from its own pass."""
         old = {i: torch.zeros_like(t.logprobs) for i, t in enumerate(out.turns)}
         agent_of = {i: t.agent for i, t in enumerate(out.turns)}
-        for mb in self._micro_batches(out, rows):
+        for mb in self._my_share(self._micro_batches(out, rows)):
             with self.models.acting(agent_of[mb[0][0]]) as (model, _):
                 lp, _ = self._logprobs(model, out, mb, False)
             for (i, r), row in zip(mb, lp.cpu()):
                 old[i][r] = row[: old[i].shape[1]]
+        if self._dp_group:  # every learner computed its share; the others' rows are zeros
+            import torch.distributed as dist
+
+            for i in sorted(old):
+                dist.all_reduce(old[i], group=self._dp_group)
         return old
+
+    def _my_share(self, chunks: list) -> list:
+        """This learner's share of the micro-batches: all of them, or every world-th for data-parallel learners."""
+        if not self._dp_group:
+            return chunks
+        import torch.distributed as dist
+
+        return chunks[dist.get_rank(self._dp_group)::dist.get_world_size(self._dp_group)]
 
     def _accumulate(self, out: Rollout, mb: list[tuple[int, int]], old: dict, norm_adv: list, mb_size: int) -> dict:
         """Forward and backward of one minibatch in micro-batches. Action level: each row's loss
@@ -481,7 +531,7 @@ class Trainer:
         tr = self.cfg.train
         stats = {"policy_loss": 0.0, "entropy": 0.0, "approx_kl": 0.0, "clip_fraction": 0.0, "kl_ref": 0.0, "used": 0}
         mb_tokens = sum(int(out.turns[i].response_mask[r].sum()) for i, r in mb)
-        for chunk in self._micro_batches(out, mb):
+        for chunk in self._my_share(self._micro_batches(out, mb)):
             agent = out.turns[chunk[0][0]].agent
             R = max(out.turns[i].response_ids.shape[1] for i, _ in chunk)
             rmask = self._gather(out, chunk, "response_mask", R)
@@ -584,6 +634,10 @@ class Trainer:
                     shutil.rmtree(old, ignore_errors=True)
         return final
 
+    def close(self) -> None:
+        """Free the engine (and, for a distributed run, the actors)."""
+        self.engine.close()
+
     def load(self, checkpoint: Path) -> None:
         path = checkpoint / "trainer.pt"
         if not path.is_file():
@@ -613,6 +667,23 @@ class Trainer:
         torch.set_rng_state(state["torch_rng"])
         self.iteration = state["iteration"]
         self.bad_in_a_row = state.get("bad_in_a_row", 0)
+
+
+def _gap_stat(gap: list[tuple[float, int]]) -> dict:
+    total, tokens = 0.0, 0
+    for s, n in gap:
+        total, tokens = total + s, tokens + n
+    return {"rollout/logprob_gap": total / tokens} if tokens else {}
+
+
+def play(cfg: RunConfig, team, engine: Engine, make_env, resets: list[tuple[int, dict]], seed: int) -> Rollout:
+    """Play the episodes ``resets`` with ``engine`` under ``cfg.rollout``'s sampling, the sampler
+    seeded with ``seed`` (what a rollout worker of :mod:`marft.distributed` runs too)."""
+    r = cfg.rollout
+    sampling = Sampling(r.temperature, r.top_p, r.top_k, r.max_new_tokens, tuple(r.stop))
+    generator = torch.Generator().manual_seed(seed)
+    return rollout(team, engine, make_env, resets, sampling, cfg.task.horizon, generator,
+                   env_timeout_s=r.env_timeout_s, schedule=r.schedule)
 
 
 def _finite(x: torch.Tensor, mask: torch.Tensor) -> bool:

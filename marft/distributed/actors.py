@@ -1,0 +1,203 @@
+"""The two kinds of Ray actor, as plain classes (:mod:`marft.distributed.driver` wraps them with
+``ray.remote``): a rollout worker plays a shard of an iteration's episodes; a learner updates one
+adapter (or, with ``cluster.learners_per_adapter`` > 1, its share of each minibatch, gradients
+summed over torch.distributed). Neither imports Ray: they are tested and used as ordinary objects.
+
+Each actor builds what it needs from the run's config on its own machine (the base model once, with
+every adapter) and is handed weights only as adapter state dicts (a few MB), never the base model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import pickle
+import time
+from types import SimpleNamespace
+
+import torch
+
+from ..trainer import Trainer
+
+
+def _build(cfg, threads: int, with_env: bool, cwd: str = ""):
+    """(cfg, team, models, environment factory or None) in this process, with ``threads`` torch
+    threads; relative paths in the config (model, data, environment files) are read from ``cwd``,
+    the driver's working directory, where this machine has it (one machine, a shared file system)."""
+    if cwd and os.path.isdir(cwd):
+        os.chdir(cwd)
+    from ..cli import _quiet_libraries, prepare
+    from ..models import TeamModel
+    from ..team import build_team
+
+    cfg = dataclasses.replace(cfg, threads=threads)
+    if with_env:
+        return (cfg, *prepare(cfg))
+    _quiet_libraries()  # what prepare does, without building an environment a learner never uses
+    torch.set_num_threads(threads)
+    torch.manual_seed(cfg.seed)
+    team = build_team(cfg.team)
+    return cfg, team, TeamModel(team, cfg.model), None
+
+
+def adapter_digest(models, adapter: str) -> str:
+    """sha256 of an adapter's weights as bytes, in name order (equal digests: equal weights)."""
+    h = hashlib.sha256()
+    for name, t in sorted(models.adapter_state(adapter).items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class RolloutWorker:
+    """Holds the base model(s) with every adapter and an engine (``rollout.engine``); plays shards."""
+
+    def __init__(self, cfg, threads: int, cwd: str = ""):
+        from ..engines import make_engine
+
+        self.cfg, self.team, self.models, self.make_env = _build(cfg, threads, with_env=True, cwd=cwd)
+        self.engine = make_engine(self.cfg, self.models)
+        self.version = -1
+
+    def set_adapters(self, version: int, states: dict) -> int:
+        """Act with these adapter weights from now on; ``version`` counts updates (for checks)."""
+        for adapter, state in states.items():
+            self.models.load_adapter_state(adapter, state)
+        self.engine.update()
+        self.version = version
+        return version
+
+    def play(self, resets: list, seed: int) -> tuple:
+        """(the shard's Rollout, its size in bytes as pickled, which is what Ray moves)."""
+        from ..trainer import play
+
+        out = play(self.cfg, self.team, self.engine, self.make_env, resets, seed)
+        return out, len(pickle.dumps(out))
+
+    def digests(self) -> dict:
+        return {a: adapter_digest(self.models, a) for a in self.team.adapters}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class Learner:
+    """One adapter's learner (one of ``world`` data-parallel ones): its optimiser, and the update of
+    :meth:`marft.trainer.Trainer._update_adapter` on the turns it is sent."""
+
+    def __init__(self, cfg, adapter: str, threads: int, rank: int = 0, world: int = 1, cwd: str = ""):
+        from ..engines.base import Engine
+
+        cfg, team, models, _ = _build(cfg, threads, with_env=False, cwd=cwd)
+        self.adapter, self.rank, self.world = adapter, rank, world
+        self.messages: list[str] = []
+        self.trainer = _LearnerTrainer(cfg, team, models, None, log=self.messages.append, engine=Engine())
+        self.models = models
+
+    # torch.distributed among the learners of one adapter
+    def address(self) -> tuple[str, int]:
+        """An address (this machine, a free port) for rank 0 to serve the process group on."""
+        import socket
+
+        try:
+            import ray
+
+            host = ray.util.get_node_ip_address()
+        except Exception:  # noqa: BLE001 - not under Ray (tests)
+            host = "127.0.0.1"
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return host, s.getsockname()[1]
+
+    def join(self, host: str, port: int) -> int:
+        """Join the adapter's process group (gloo on CPU, NCCL on GPU); blocks until all have joined."""
+        import torch.distributed as dist
+
+        device = next(self.models.bases[self.models.base_of[self.adapter]].parameters()).device
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world)
+        self.trainer._dp_group = dist.group.WORLD
+        return self.rank
+
+    def load(self, adapter_state: dict | None, opt_state: dict | None) -> None:
+        if adapter_state is not None:
+            self.models.load_adapter_state(self.adapter, adapter_state)
+        if opt_state is not None:
+            opt = self.trainer.policy_opt[self.adapter]
+            opt.load_state_dict(opt_state)
+            for group in opt.param_groups:
+                group["lr"] = self.trainer.cfg.train.lr
+
+    def update(self, job: dict) -> dict:
+        """One policy update. ``job``: iteration, turns (this adapter's only), advantages (per turn),
+        rows and orders (indices into those turns), n_adapters. Returns the stats and counters the
+        driver merges, and (rank 0) the new adapter weights."""
+        from .. import packing
+
+        t0 = time.perf_counter()
+        tr = self.trainer
+        tr.iteration = job["iteration"]
+        tr.skipped = dict.fromkeys(tr.skipped, 0)
+        tr._flops = dict.fromkeys(("behaviour", "learner"), 0.0)
+        tr._behaviour_s = 0.0
+        tr.events = []
+        self.messages.clear()
+        out = SimpleNamespace(turns=job["turns"])
+        tr._rows = [packing.unpad(t.prompt_ids, t.prompt_mask, t.response_ids, t.response_mask) for t in out.turns]
+        gap: list = []
+        stats = tr._update_adapter(out, job["advantages"], self.adapter, job["rows"], job["orders"], gap, job["n_adapters"])
+        result = {"stats": stats, "gap": gap, "flops": dict(tr._flops), "behaviour_s": tr._behaviour_s,
+                  "micro_batches_skipped": tr.skipped["micro_batches"], "events": tr.events,
+                  "messages": list(self.messages), "seconds": time.perf_counter() - t0}
+        if self.rank == 0:
+            result["state"] = {k: v.detach().cpu().clone() for k, v in self.models.adapter_state(self.adapter).items()}
+        return result
+
+    def optimizer_state(self) -> dict:
+        return self.trainer.policy_opt[self.adapter].state_dict()
+
+    def digest(self) -> str:
+        return adapter_digest(self.models, self.adapter)
+
+    def gradients(self, job: dict) -> list[torch.Tensor]:
+        """The summed gradient of the first minibatch of ``job`` (no step taken): for the
+        data-parallel check that world learners give what one gives."""
+        from .. import packing
+
+        tr = self.trainer
+        tr.iteration = job["iteration"]
+        out = SimpleNamespace(turns=job["turns"])
+        tr._rows = [packing.unpad(t.prompt_ids, t.prompt_mask, t.response_ids, t.response_mask) for t in out.turns]
+        tr._pending_old = set()
+        rows = job["rows"]
+        old = tr._old_logprobs(out, rows)
+        params = self.models.adapter_parameters(self.adapter)
+        for p in params:
+            p.grad = None
+        mb = job["orders"][0][:tr.cfg.train.minibatch_size]
+        st = tr._accumulate(out, mb, old, job["advantages"], len(mb))
+        if tr._dp_group:
+            tr._all_reduce(params, st)
+        grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+        for p in params:
+            p.grad = None
+        return grads
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class _LearnerTrainer(Trainer):
+    """The trainer's update code, recording each update's outcome instead of counting it: the
+    driver replays the outcomes in adapter order (``train.max_bad_updates``)."""
+
+    events: list
+
+    def _skip_update(self) -> None:
+        self.events.append(False)
+
+    def _good_update(self) -> None:
+        self.events.append(True)

@@ -1,0 +1,367 @@
+"""A task from a data set and a reward function, no class to write (``task.kind: dataset``).
+
+The data set is read with the Hugging Face ``datasets`` library from
+
+- a local file: ``.jsonl`` (one record per line), ``.json`` (a list of records), ``.csv`` or
+  ``.parquet``; such a file holds one split, ``train``;
+- a local folder of such files: ``datasets`` names the splits after the files (``train.jsonl`` and
+  ``test.jsonl`` give ``train`` and ``test``; a folder with one file has only ``train``);
+- a Hub id such as ``openai/gsm8k`` with its config (``task.dataset_config: main``), loaded with
+  ``datasets.load_dataset(id, config)``. This needs the network or the local ``datasets`` cache:
+  without network it fails at once, in one line (with ``HF_HUB_OFFLINE=1`` it uses the cache only).
+
+Splits: ``task.train_split`` / ``task.test_split`` (default ``train`` / ``test``) name the splits
+the team trains and is evaluated on; ``datasets``' slice syntax works too (``train[:90%]``,
+``train[-200:]``). When the data set has **no** ``test`` split and ``test_split`` is left at
+``test``, and the data set has only the one split ``train_split`` (a single file), the last tenth
+of its records (rounded up, at least one) is held out as the test split and the rest is the train
+split, in file order: shuffle a sorted file first, or name the splits yourself (``test_split:
+train`` evaluates on the training records).
+
+Each episode is one record: its ``task.prompt_column`` (default ``question``, a non-empty string)
+is shown to the team; answering agents also get ``instruction`` (``task.options: {instruction:
+...}``, default "Give the final answer in \\boxed{}.", ``""`` for none).
+
+The reward (``task.reward``: ``"package.module:function"`` or ``"path/to/file.py:function"``)::
+
+    def reward(reply: str, record: dict) -> float:
+
+is called once per answering agent per step with ``reply``, that agent's whole reply text in that
+step, and ``record``, a fresh ``dict`` of the record's columns (every column, not only the prompt
+and ``task.answer_column``, with the values as ``datasets`` read them: a column of numbers is ints
+or floats). It returns a finite number or a bool (True = 1.0); anything else, or an exception,
+fails that episode with a one-line error naming the function. The step's team reward is the mean
+over answering agents (as for every :class:`~marft.envs.base.TurnBasedEnv`); a reply counts as
+solved (``success``, and the end of a multi-turn episode) when its reward is at least
+``task.success_threshold`` (default 1.0). ``extracted`` is True for a non-empty reply (a reward
+function does not say whether it could read an answer).
+
+Data sets are loaded once per process and settings and shared by the environment instances of a
+rollout; reward functions are imported once per process.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import math
+import numbers
+import os
+import random
+import re
+import threading
+from typing import Any, Callable
+
+from marft.envs.base import Grade, Problem, TurnBasedEnv
+from marft.errors import UserError
+
+HOLDOUT = 10  # a single-split data set holds out its last 1/HOLDOUT (rounded up) as its test split
+BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+DEFAULT_INSTRUCTION = "Give the final answer in \\boxed{}."
+LOCAL_HINT = "use a local file or folder instead: task.dataset=path/to/train.jsonl (.jsonl, .json, .csv, .parquet)"
+
+_LOCK = threading.Lock()
+_DATA: dict[tuple, dict[str, Any]] = {}  # (source, settings) -> {"train": Dataset, "test": Dataset}
+_REWARDS: dict[tuple, Callable] = {}  # (spec, file stamp) -> the function
+
+
+# --- loading ---------------------------------------------------------------------------------------
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())}".rstrip(": ")
+
+
+def _root(e: BaseException) -> BaseException:
+    """The informative exception behind ``datasets``' wrappers (DatasetGenerationError ...)."""
+    while type(e).__name__ in ("DatasetGenerationError",) and (e.__cause__ or e.__context__):
+        e = e.__cause__ or e.__context__
+    return e
+
+
+@contextlib.contextmanager
+def _quiet_datasets():
+    """No progress bars and no log lines from ``datasets`` while it loads (restored afterwards)."""
+    import datasets
+
+    level = datasets.utils.logging.get_verbosity()
+    bars_off = datasets.utils.are_progress_bars_disabled()
+    datasets.utils.logging.set_verbosity(logging.CRITICAL)
+    datasets.disable_progress_bars()
+    try:
+        yield datasets
+    finally:
+        datasets.utils.logging.set_verbosity(level)
+        if not bars_off:
+            datasets.enable_progress_bars()
+
+
+def _offline() -> bool:
+    flags = (os.environ.get(k, "").lower() in ("1", "true", "yes", "on") for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    if any(flags):
+        return True
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _check_hub_reachable(repo_id: str) -> None:
+    """Fail at once when the Hub cannot be reached (``datasets`` would retry for about 25 s, printing
+    a line per retry); offline mode is left to ``datasets``, which then reads its cache."""
+    from marft.models import hub_unreachable
+
+    endpoint, why = hub_unreachable()
+    if why:
+        raise UserError(f"data set {repo_id!r} is a Hub id, but the Hub ({endpoint}) cannot be reached "
+                        f"({why}); {LOCAL_HINT}, or set HF_HUB_OFFLINE=1 to use the "
+                        "local Hugging Face datasets cache")
+
+
+def _source(spec: str) -> tuple[str, str, tuple]:
+    """("file" | "folder" | "hub", path or id, a stamp that changes when local data changes)."""
+    path = os.path.expanduser(spec)
+    if os.path.isfile(path):
+        ext = os.path.splitext(path)[1].lower()
+        if ext not in BUILDERS:
+            raise UserError(f"data set file {spec!r} must end in .jsonl, .json, .csv or .parquet (or give a folder of such files)")
+        st = os.stat(path)
+        blank = st.st_size == 0
+        if not blank and ext != ".parquet" and st.st_size <= 65536:
+            with open(path, "rb") as f:
+                blank = not f.read().strip()
+        if blank:
+            raise UserError(f"data set file {spec!r} is empty; give a file with at least one record")
+        return "file", path, (os.path.abspath(path), st.st_mtime_ns, st.st_size)
+    if os.path.isdir(path):
+        stamp = []
+        for root, _, files in os.walk(path):
+            for f in sorted(files):
+                st = os.stat(os.path.join(root, f))
+                stamp.append((os.path.join(root, f), st.st_mtime_ns, st.st_size))
+        return "folder", path, (os.path.abspath(path), tuple(sorted(stamp)))
+    looks_local = (spec.startswith((".", "/", "~")) or os.path.splitext(spec)[1].lower() in BUILDERS
+                   or spec.count("/") > 1 or "\\" in spec)
+    if looks_local:
+        raise UserError(f"data set file {spec!r} does not exist; set task.dataset to a .jsonl, .json, .csv or .parquet "
+                        "file, a folder of them, or a Hub id like openai/gsm8k")
+    if not re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?", spec):
+        raise UserError(f"data set {spec!r} not found: not a file, not a folder and not a Hub id like openai/gsm8k; "
+                        "set task.dataset to a .jsonl, .json, .csv or .parquet file, a folder of them, or a Hub id")
+    return "hub", spec, (spec,)
+
+
+def _load(kind: str, where: str, config: str, split: str | None):
+    """``datasets.load_dataset`` for one source: a DatasetDict (``split`` None) or one Dataset."""
+    try:
+        import datasets  # noqa: F401
+    except ImportError as e:
+        raise UserError(f"task.kind dataset needs the datasets library, which is not installed: pip install 'datasets>=3' ({e})") from None
+    if kind == "hub" and not _offline():
+        _check_hub_reachable(where)
+    with _quiet_datasets() as ds:
+        try:
+            if kind == "file":
+                builder = BUILDERS[os.path.splitext(where)[1].lower()]
+                return ds.load_dataset(builder, data_files=where, split=split)
+            if kind == "folder":
+                return ds.load_dataset(where, split=split)
+            return ds.load_dataset(where, config or None, split=split)
+        except Exception as e:  # noqa: BLE001 - whatever datasets raises about the user's data
+            err = _root(e)
+            if kind == "hub" and isinstance(err, ConnectionError) and _offline():
+                raise UserError(f"data set {where!r} is not in the local Hugging Face datasets cache and HF_HUB_OFFLINE "
+                                f"is set; {LOCAL_HINT}") from None
+            if split is not None and "Unknown split" in str(err):
+                raise UserError(f"data set {where!r} has no split {split!r} ({' '.join(str(err).split())}); "
+                                "set task.train_split / task.test_split to its splits") from None
+            what = f"data set {where!r}" + (f" (config {config!r})" if kind == "hub" and config else "")
+            fix = "; fix the file" if kind == "file" else "; fix the files" if kind == "folder" else ""
+            raise UserError(f"cannot load {what}: {_one_line(err)}{fix}") from None
+
+
+def _check_columns(spec: str, split: str, data, prompt_column: str, answer_column: str) -> None:
+    """``split`` names the split for messages: ``train split``, ``test split 'validation'`` ..."""
+    columns = list(data.column_names)
+    for key, col in (("prompt_column", prompt_column), ("answer_column", answer_column)):
+        if col and col not in columns:
+            extra = ", or task.answer_column='' if the reward needs no answer column" if key == "answer_column" else ""
+            raise UserError(f"data set {spec!r}: the {split} has no column {col!r} (its columns: {', '.join(columns)}); "
+                            f"set task.{key} to one of them{extra}")
+    if len(data) == 0:
+        raise UserError(f"data set {spec!r}: the {split} has no records; give a data set with at least one")
+    for i, value in enumerate(data[prompt_column]):
+        if not isinstance(value, str) or not value.strip():
+            got = "an empty prompt" if value is None or isinstance(value, str) else f"a {type(value).__name__}, not text,"
+            raise UserError(f"data set {spec!r}: record {i} of the {split} has {got} in column {prompt_column!r}; "
+                            "fix or remove that record")
+
+
+def load_splits(dataset: str, dataset_config: str = "", train_split: str = "train", test_split: str = "test",
+                prompt_column: str = "question", answer_column: str = "answer") -> dict[str, Any]:
+    """``{"train": Dataset, "test": Dataset}`` for these settings (see the module docstring for the
+    held-out test split); loaded and checked once per process. Raises :class:`UserError`."""
+    if not dataset:
+        raise UserError("task.kind dataset needs task.dataset: a Hub id (openai/gsm8k) or a .jsonl, .json, .csv or .parquet file or folder")
+    if not prompt_column:
+        raise UserError("task.prompt_column is empty; name the column that holds the prompt (default: question)")
+    kind, where, stamp = _source(dataset)
+    key = (stamp, dataset_config if kind == "hub" else "", train_split, test_split, prompt_column, answer_column)
+    with _LOCK:
+        if key in _DATA:
+            return _DATA[key]
+    splits = _load(kind, where, dataset_config, None)
+    names = list(splits)
+    held_out = test_split == "test" and "test" not in splits and names == [train_split]
+    if held_out:
+        full = splits[train_split]
+        _check_columns(dataset, f"{train_split} split", full, prompt_column, answer_column)  # record numbers of the file
+        n = len(full)
+        if n < 2:
+            raise UserError(f"data set {dataset!r} has 1 record and no test split, too few to hold one out; "
+                            "add records, or set task.test_split=train to evaluate on the training records")
+        k = -(-n // HOLDOUT)  # ceil(n / 10) without floats
+        out = {"train": full.select(range(n - k)), "test": full.select(range(n - k, n))}
+    else:
+        out = {}
+        for role, name in (("train", train_split), ("test", test_split)):
+            if name in splits:
+                out[role] = splits[name]
+            elif "[" in name:
+                out[role] = _load(kind, where, dataset_config, name)
+            else:
+                raise UserError(f"data set {dataset!r} has no split {name!r} (its splits: {', '.join(names)}); "
+                                f"set task.{role}_split to one of them")
+        for role, name in (("train", train_split), ("test", test_split)):
+            label = f"{role} split" + ("" if name == role else f" ({name!r})")
+            _check_columns(dataset, label, out[role], prompt_column, answer_column)
+    with _LOCK:
+        _DATA[key] = out
+    return out
+
+
+# --- the reward --------------------------------------------------------------------------------------
+
+def load_reward(spec: str) -> Callable[[str, dict], Any]:
+    """The function named by ``"package.module:function"`` or ``"path/to/file.py:function"``.
+
+    Raises :class:`UserError` when the spec is malformed, the module cannot be imported, it has no
+    such attribute, the attribute is not callable, or it cannot be called as ``reward(reply, record)``.
+    """
+    from marft.envs.check import import_user_module
+
+    module_name, _, attr = (spec or "").rpartition(":")
+    if not module_name or not attr:
+        raise UserError(f"task.reward {spec!r} must look like 'package.module:function' or 'path/to/file.py:function'")
+    is_file = module_name.endswith(".py") or "/" in module_name or os.sep in module_name
+    stamp = ()
+    if is_file and os.path.isfile(module_name):
+        st = os.stat(module_name)
+        stamp = (os.path.abspath(module_name), st.st_mtime_ns, st.st_size)
+    with _LOCK:
+        if (spec, stamp) in _REWARDS:
+            return _REWARDS[(spec, stamp)]
+    try:
+        module = import_user_module(module_name, "marft_user_reward_")
+    except UserError as e:
+        raise UserError(f"task.reward {spec!r}: {e}") from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        found = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_")
+                       and getattr(v, "__module__", None) == module.__name__)
+        listed = f" (its functions: {', '.join(found)})" if found else ""
+        raise UserError(f"task.reward {spec!r}: module {module_name!r} has no function {attr!r}{listed}; check the name after ':'")
+    if not callable(fn):
+        raise UserError(f"task.reward {spec!r} is a {type(fn).__name__}, not a function reward(reply, record)")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        sig = None  # some builtins have no signature: their calls will tell
+    if sig is not None:
+        try:
+            sig.bind("reply", {})
+        except TypeError:
+            raise UserError(f"task.reward {spec!r} must take two arguments, reward(reply, record); "
+                            f"its signature is {attr}{sig}") from None
+    with _LOCK:
+        _REWARDS[(spec, stamp)] = fn
+    return fn
+
+
+def score_reply(fn: Callable, spec: str, reply: str, record: dict, where: str) -> float:
+    """``fn(reply, record)`` as a float; a UserError naming ``spec`` if it raises or returns
+    anything but a finite number or a bool. ``where`` says which record (for the message)."""
+    try:
+        value = fn(reply, record)
+    except Exception as e:  # noqa: BLE001 - the user's function
+        raise UserError(f"task.reward {spec} raised {_one_line(e)} on {where}") from e
+    if isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise UserError(f"task.reward {spec} returned {value!r} ({type(value).__name__}) on {where}; "
+                        "it must return a finite number or a bool")
+    return float(value)
+
+
+# --- the environment ---------------------------------------------------------------------------------
+
+class DatasetEnv(TurnBasedEnv):
+    """A team answers one record of a data set per episode, judged by a reward function.
+
+    Keyword arguments (the ``task.*`` keys of the same names; see the module docstring):
+    ``dataset``, ``reward``, ``dataset_config``, ``train_split``, ``test_split``, ``prompt_column``,
+    ``answer_column``, ``success_threshold`` and ``instruction`` (from ``task.options``).
+    ``reset(options={"split": s, "index": i})`` gives record ``i`` of split ``s`` ("train" or
+    "test"); without an index the record is drawn with the reset seed.
+    """
+
+    def __init__(self, agents: list[str], answering: list[str], horizon: int = 1, *, dataset: str = "",
+                 reward: str = "", dataset_config: str = "", train_split: str = "train", test_split: str = "test",
+                 prompt_column: str = "question", answer_column: str = "answer", success_threshold: float = 1.0,
+                 instruction: str = DEFAULT_INSTRUCTION):
+        super().__init__(agents, answering, horizon)
+        if not reward:
+            raise UserError("task.kind dataset needs task.reward: 'package.module:function' or 'path/to/file.py:function', "
+                            "called as reward(reply, record) -> float")
+        if isinstance(success_threshold, bool) or not isinstance(success_threshold, numbers.Real) \
+                or not math.isfinite(success_threshold):
+            raise UserError(f"task.success_threshold must be a finite number, got {success_threshold!r}")
+        if not isinstance(instruction, str):
+            raise UserError(f"task.options instruction must be text, got {instruction!r}")
+        self.data = load_splits(dataset, dataset_config, train_split, test_split, prompt_column, answer_column)
+        self.reward_fn = load_reward(reward)
+        self.dataset, self.reward, self.splits = dataset, reward, {"train": train_split, "test": test_split}
+        self.prompt_column, self.answer_column = prompt_column, answer_column
+        self.success_threshold = float(success_threshold)
+        self.instruction = instruction
+
+    def _split(self, split: str):
+        if split not in self.data:
+            raise ValueError(f"unknown split {split!r}; expected 'train' or 'test'")
+        return self.data[split]
+
+    def num_problems(self, split: str) -> int | None:
+        """How many records the split holds."""
+        return len(self._split(split))
+
+    def new_problem(self, rng: random.Random, split: str, index: int | None) -> Problem:
+        data = self._split(split)
+        if index is None:
+            index = rng.randrange(len(data))
+        elif not 0 <= index < len(data):
+            raise UserError(f"problem index {index} is out of range: the {split} split of {self.dataset!r} has {len(data)} records")
+        record = dict(data[index])
+        answer = record.get(self.answer_column) if self.answer_column else None
+        return Problem(prompt=record[self.prompt_column], answer=answer,
+                       meta={"split": split, "index": index, "record": record})
+
+    def answer_instruction(self) -> str:
+        return self.instruction
+
+    def observe(self, agent: str) -> str:
+        text = super().observe(agent)
+        return text[:-2] if agent in self.answering and not self.instruction and text.endswith("\n\n") else text
+
+    def grade(self, problem: Problem, reply: str) -> Grade:
+        where = f"record {problem.meta['index']} of the {problem.meta['split']} split"
+        score = score_reply(self.reward_fn, self.reward, reply, dict(problem.meta["record"]), where)
+        solved = score >= self.success_threshold
+        return Grade(correct=solved, extracted=bool((reply or "").strip()), answer=None, score=score)

@@ -1,0 +1,251 @@
+"""Scale-out on Ray (marft.distributed) on a local two-CPU Ray cluster with the tiny model: one
+rollout worker and one learner per adapter repeat the in-process run exactly (metrics, weights, and
+across a checkpoint); with two workers every worker holds the learners' weights after every update
+and the team learns; data-parallel learners (gloo) give one learner's gradients; a rollout worker
+that dies is replaced and a learner that dies stops the run with its checkpoint intact. The
+shard/merge helpers and the cluster section's checks are tested without Ray."""
+import json
+import math
+
+import pytest
+import torch
+
+from marft.cli import main, prepare
+from marft.config import load_config
+from marft.errors import UserError
+from marft.rollout import merge_rollouts
+from marft.trainer import Trainer, latest_checkpoint
+
+from test_train import snapshot, trainer_for, vowel_overrides  # noqa: F401 - fixtures
+
+CLUSTER = ["cluster.rollout_workers=1", "cluster.worker_cpus=0.5", "cluster.learner_cpus=0.5", "threads=1"]
+SMALL = ["rollout.episodes=8", "train.minibatch_size=4", "train.micro_batch_size=2", "rollout.max_new_tokens=4", "threads=1"]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'marft[ray]')")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    yield ray
+    ray.shutdown()
+
+
+MADE: list = []
+
+
+@pytest.fixture(autouse=True)
+def close_actors():
+    """A failed test must not leave actors holding the cluster's CPUs for the next one; and the
+    torch threads these runs set (threads=1) must not change the numerics of later test files."""
+    threads = torch.get_num_threads()
+    yield
+    while MADE:
+        MADE.pop().close()
+    torch.set_num_threads(threads)
+
+
+def distributed_for(overrides):
+    from marft.distributed import DistributedTrainer
+
+    cfg = load_config("configs/duo_arithmetic.yaml", overrides)
+    team, models, make_env = prepare(cfg)
+    tr = DistributedTrainer(cfg, team, models, make_env, log=lambda m: None)
+    MADE.append(tr)
+    return tr
+
+
+def comparable(m: dict) -> dict:
+    """The metrics that do not depend on time or on where the run ran."""
+    return {k: v for k, v in m.items() if not (k.endswith("_s") or k.startswith(("mfu/", "machine/", "distributed/"))
+                                                or k in ("seconds", "tokens_per_s"))}
+
+
+# ---------------------------------------------------------------------------- without Ray
+def test_shards_are_consecutive_and_balanced():
+    from marft.distributed import shard
+
+    items = list(range(10))
+    parts = shard(items, 3)
+    assert parts == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert shard(items[:2], 4) == [[0], [1]]  # never an empty shard
+    assert [x for p in shard(items, 4) for x in p] == items
+
+
+def test_merged_shards_are_the_whole_batch(vowel_overrides):
+    tr = trainer_for(vowel_overrides + SMALL + ["task.horizon=2"])
+    out = tr._rollout(0)
+    E = len(out.steps)
+    halves = [out.select(torch.arange(E) < 3), out.select(torch.arange(E) >= 3)]
+    merged = merge_rollouts(halves, tr.team.names)
+    assert torch.equal(merged.rewards, out.rewards) and torch.equal(merged.dones, out.dones)
+    assert [(t.step, t.agent) for t in merged.turns] == [(t.step, t.agent) for t in out.turns]
+    for a, b in zip(merged.turns, out.turns):
+        order = torch.argsort(a.episodes)
+        assert torch.equal(a.episodes[order], b.episodes)
+        for name in ("prompt", "response"):  # the same tokens, whatever the padding
+            ma, mb = getattr(a, f"{name}_mask")[order], getattr(b, f"{name}_mask")
+            ia, ib = getattr(a, f"{name}_ids")[order], getattr(b, f"{name}_ids")
+            assert [r[m].tolist() for r, m in zip(ia, ma)] == [r[m].tolist() for r, m in zip(ib, mb)]
+        la, lb = a.logprobs[order], b.logprobs[order]
+        assert all(torch.equal(x[m], y[n]) for x, m, y, n in zip(la, a.response_mask[order], lb, b.response_mask))
+        assert [a.texts[i] for i in order] == b.texts
+
+
+@pytest.mark.parametrize("override, message", [
+    ("cluster.learners_per_adapter=0", "cluster.learners_per_adapter must be at least 1"),
+    ("cluster.colocate=[[planner, critic]]", "cluster.colocate names 'critic', which is not one of the team's adapters"),
+    ("cluster.colocate=[[planner], [planner, solver]]", "names adapter 'planner' in two groups"),
+    ("cluster.worker_gpus=-1", "cluster.worker_gpus must be 0 or more"),
+    ("cluster.address=somewhere", "cluster.address must be local, auto"),
+])
+def test_cluster_section_is_checked(override, message):
+    with pytest.raises(UserError, match=message):
+        load_config("configs/duo_arithmetic.yaml", [override])
+
+
+# ---------------------------------------------------------------------------- on Ray
+@pytest.mark.ray
+def test_one_worker_repeats_the_in_process_run_and_resumes(ray_cluster, vowel_overrides, tmp_path):
+    local = trainer_for(vowel_overrides + SMALL)
+    expected = [comparable(local.iteration_step()) for _ in range(2)]
+    dist = distributed_for(vowel_overrides + SMALL + CLUSTER + [f"output_dir={tmp_path / 'd'}"])
+    got = [comparable(dist.iteration_step())]
+    ckpt = dist.save()
+    dist.close()
+    resumed = distributed_for(vowel_overrides + SMALL + CLUSTER + [f"output_dir={tmp_path / 'd'}"])
+    resumed.load(ckpt)  # the optimiser states went from the learners into the checkpoint and back
+    got.append(comparable(resumed.iteration_step()))
+    assert got == expected
+    mine, theirs = snapshot(resumed), snapshot(local)
+    assert all(torch.equal(mine[a][k], theirs[a][k]) for a in mine for k in mine[a])
+    d = resumed.digests()
+    assert d["workers"][0] == {a: d["learners"][a][0] for a in d["learners"]}
+    resumed.close()
+
+
+@pytest.mark.ray
+def test_two_workers_hold_the_learners_weights_and_the_team_learns(ray_cluster, vowel_overrides):
+    tr = distributed_for(vowel_overrides + CLUSTER + ["cluster.rollout_workers=2"])
+    rewards = []
+    for _ in range(16):
+        m = tr.iteration_step()
+        rewards.append(m["reward"])
+        d = tr.digests()
+        learners = {a: ranks[0] for a, ranks in d["learners"].items()}
+        assert d["workers"] == [learners, learners]  # every worker acts with the weights just learned
+        assert m["distributed/rollout_workers"] == 2 and m["distributed/bytes_weights"] > 0
+    tr.close()
+    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
+    assert last >= first + 0.25, rewards
+
+
+@pytest.mark.ray
+def test_data_parallel_learners_give_one_learners_gradients(ray_cluster, vowel_overrides):
+    from marft.distributed.actors import Learner
+    from marft.distributed.driver import _job
+
+    overrides = vowel_overrides + SMALL + ["train.micro_batch_size=1"]  # 4 micro-batches: 2 per learner
+    local = trainer_for(overrides)
+    out = local._rollout(0)
+    targets = local._targets(out)
+    plan = local._plan_policy(out, targets, local.team.names)
+    rows, orders = plan["adapters"]["solver"]
+    job = _job(out, plan["advantages"], rows, orders, 0, 2)
+    cfg = local.cfg
+    one = Learner(cfg, "solver", threads=1).gradients(job)
+    remote = ray_cluster.remote(Learner).options(num_cpus=0.5)
+    pair = [remote.remote(cfg, "solver", 1, rank, 2) for rank in range(2)]
+    host, port = ray_cluster.get(pair[0].address.remote())
+    ray_cluster.get([p.join.remote(host, port) for p in pair])
+    both = ray_cluster.get([p.gradients.remote(job) for p in pair])
+    for g in both:
+        assert len(g) == len(one)
+        for a, b in zip(g, one):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert all(torch.equal(a, b) for a, b in zip(*both))  # the two ranks hold the same sum
+    assert any(float(g.abs().sum()) > 0 for g in one)
+    for p in pair:
+        ray_cluster.kill(p)
+
+
+DYING_ENV = '''
+import os
+from pathlib import Path
+from marft.envs.base import TurnBasedEnv, Problem, Grade
+
+MARK = Path(__file__).with_suffix(".die")
+
+class Dying(TurnBasedEnv):
+    """The vowel task, whose process exits the first time it grades while MARK exists."""
+    def new_problem(self, rng, split, index):
+        return Problem("Say a word.", None)
+    def grade(self, problem, reply):
+        if MARK.exists():
+            MARK.unlink()
+            os._exit(1)
+        return Grade(reply.strip()[:1].lower() in tuple("aeiou"), True)
+'''
+
+
+@pytest.mark.ray
+def test_a_rollout_worker_that_dies_is_replaced(ray_cluster, vowel_overrides, tmp_path):
+    env = tmp_path / "dying.py"
+    env.write_text(DYING_ENV)
+    tr = distributed_for(vowel_overrides + SMALL + CLUSTER + [f"task.env={env}:Dying"])
+    first = tr.iteration_step()
+    env.with_suffix(".die").touch()  # the worker dies in the middle of the next rollout
+    second = tr.iteration_step()
+    assert not env.with_suffix(".die").exists()
+    assert first["distributed/worker_restarts"] == 0 and second["distributed/worker_restarts"] == 1
+    assert second["iteration"] == 2 and second["episodes/failed"] == 0
+    d = tr.digests()
+    assert d["workers"][0] == {a: d["learners"][a][0] for a in d["learners"]}
+    tr.close()
+
+
+@pytest.mark.ray
+def test_a_learner_that_dies_stops_the_run_with_its_checkpoint_intact(ray_cluster, vowel_overrides, tmp_path):
+    tr = distributed_for(vowel_overrides + SMALL + CLUSTER + [f"output_dir={tmp_path / 'run'}"])
+    tr.iteration_step()
+    ckpt = tr.save()
+    ray_cluster.kill(tr.learners["solver"][0])
+    with pytest.raises(UserError, match=r"the learner of adapter solver died at iteration 2 .*checkpoint.*is intact: marft train --resume"):
+        tr.iteration_step()
+    assert latest_checkpoint(tmp_path / "run") == ckpt and (ckpt / "trainer.pt").is_file()
+    tr.close()
+
+
+@pytest.mark.ray
+def test_train_command_on_ray_matches_one_process(ray_cluster, vowel_overrides, tmp_path):
+    base = vowel_overrides + SMALL + ["train.iterations=2", "eval.problems=2", "eval.before=false"]
+    assert main(["train", "configs/duo_arithmetic.yaml", *base, f"output_dir={tmp_path / 'local'}"]) == 0
+    assert main(["train", "configs/duo_arithmetic.yaml", *base, *CLUSTER, f"output_dir={tmp_path / 'ray'}"]) == 0
+    read = lambda d: [comparable(json.loads(x)) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    assert read("ray") == read("local")
+    lines = (tmp_path / "ray" / "metrics.jsonl").read_text().splitlines()
+    assert all(json.loads(x)["distributed/bytes_rollout"] > 0 for x in lines)
+    a = json.loads((tmp_path / "local" / "eval_final.json").read_text())
+    b = json.loads((tmp_path / "ray" / "eval_final.json").read_text())
+    assert math.isclose(a["accuracy"], b["accuracy"])
+
+
+@pytest.mark.ray
+def test_more_gpus_than_the_cluster_has_is_one_line(ray_cluster, vowel_overrides):
+    with pytest.raises(UserError, match=r"asks for 1 GPUs .* but the Ray cluster has 0"):
+        distributed_for(vowel_overrides + SMALL + CLUSTER + ["cluster.worker_gpus=1"])
+
+
+def test_local_trainer_is_untouched_by_the_cluster_section(vowel_overrides):
+    tr = trainer_for(vowel_overrides + SMALL)
+    assert type(tr) is Trainer and tr.cfg.cluster.rollout_workers == 0
+
+
+@pytest.mark.ray
+def test_colocated_learners_share_one_placement_group(ray_cluster, vowel_overrides):
+    from ray.util.placement_group import placement_group_table
+
+    tr = distributed_for(vowel_overrides + SMALL + CLUSTER + ["cluster.colocate=[[planner, solver]]"])
+    groups = [g for g in placement_group_table().values() if g["state"] == "CREATED"]
+    assert len(groups) == 1 and groups[0]["strategy"] == "STRICT_PACK"
+    m = tr.iteration_step()
+    assert m["iteration"] == 1 and "planner/policy_loss" in m and "solver/policy_loss" in m
