@@ -77,9 +77,6 @@ class RolloutWorker:
     def digests(self) -> dict:
         return {a: adapter_digest(self.models, a) for a in self.team.adapters}
 
-    def pid(self) -> int:
-        return os.getpid()
-
     def close(self) -> None:
         self.engine.close()
 
@@ -185,9 +182,6 @@ class Learner:
         for p in params:
             p.grad = None
         return grads
-
-    def pid(self) -> int:
-        return os.getpid()
 
 
 class _LearnerTrainer(Trainer):
