@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from marft import packing  # noqa: E402
 from marft.attention import attention as marft_attention  # noqa: E402
-from marft.cli import prepare  # noqa: E402
+from marft.api import prepare  # noqa: E402
 from marft.config import load_config  # noqa: E402
 from marft.trainer import Trainer  # noqa: E402
 

@@ -31,7 +31,7 @@ def main() -> None:
 
     from common import CONFIG, PINNED, cpu_name
     from marft import flops
-    from marft.cli import prepare
+    from marft.api import prepare
     from marft.config import load_config
     from marft.distributed import DistributedTrainer
     from marft.trainer import Trainer

@@ -29,7 +29,7 @@ def main() -> None:
 
     from common import CONFIG, cpu_name
     from marft import flops
-    from marft.cli import prepare
+    from marft.api import prepare
     from marft.config import load_config
     from marft.engines.hf import HFEngine
     from marft.engines.vllm import VLLMEngine

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import marft.generation as gen  # noqa: E402
-from marft.cli import prepare  # noqa: E402
+from marft.api import prepare  # noqa: E402
 from marft.config import load_config  # noqa: E402
 from marft.models import stop_token_ids  # noqa: E402
 

@@ -27,9 +27,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from conftest import build_tiny_model  # noqa: E402
 
-from marft.cli import prepare  # noqa: E402
+from marft.api import prepare  # noqa: E402
 from marft.config import load_config  # noqa: E402
-from marft.evaluate import evaluate  # noqa: E402
+from marft.evaluation import evaluate  # noqa: E402
 from marft.trainer import Trainer, append_metrics  # noqa: E402
 
 

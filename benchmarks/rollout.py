@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import marft.engines.hf as hf_engine  # noqa: E402
 import marft.rollout as rollout_module  # noqa: E402
-from marft.cli import prepare  # noqa: E402
+from marft.api import prepare  # noqa: E402
 from marft.config import load_config  # noqa: E402
 from marft.flops import matmul_rate, model_shape  # noqa: E402
 from marft.generation import Sampling, encode_chats, generate, needed_work  # noqa: E402

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from marft import flops, packing  # noqa: E402
-from marft.cli import prepare  # noqa: E402
+from marft.api import prepare  # noqa: E402
 from marft.config import load_config  # noqa: E402
 from marft.trainer import Trainer  # noqa: E402
 

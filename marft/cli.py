@@ -6,9 +6,8 @@ shows the traceback instead.
 from __future__ import annotations
 
 import argparse
-import os
-import random
 import sys
+import time
 from pathlib import Path
 
 from .errors import UserError
@@ -108,59 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _quiet_libraries() -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    import warnings
-
-    warnings.filterwarnings("ignore", category=FutureWarning)
-
-
-def prepare(cfg):
-    """Seed, threads, team, models and environment factory for a run."""
-    import torch
-
-    from .models import TeamModel
-    from .team import build_team
-
-    _quiet_libraries()
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    team = build_team(cfg.team)
-    make_env = env_factory(cfg, team)
-    models = TeamModel(team, cfg.model)
-    return team, models, make_env
-
-
-def env_factory(cfg, team):
-    """The environment factory of ``cfg.task`` for ``team`` (the whole team or a part of it)."""
-    from .envs import DATASET_KEYS, make_env_factory
-
-    t = cfg.task
-    return make_env_factory(t.kind, team.names, team.answering, t.horizon, t.name, dict(t.options),
-                            t.train_path, t.test_path, t.env, {k: getattr(t, k) for k in DATASET_KEYS})
-
-
-def make_dir(path: Path, key: str) -> Path:
-    """Create the folder ``path`` named by config key ``key``, or say why not (a UserError)."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot create the folder {path} for {key} ({e.strerror}); choose another {key}=...") from None
-    return path
-
-
 def cmd_eval(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from .api import evaluate, make_dir, task_label
     from .config import load_config
-    from .evaluate import evaluate, format_table, write_json
+    from .evaluation import format_table, write_json
 
     cfg = load_config(args.config, args.overrides)
     console = Console(stderr=True, soft_wrap=True)  # log lines are not wrapped at 80 columns when piped
@@ -168,44 +121,27 @@ def cmd_eval(args) -> int:
                   f"model {cfg.model.name}, task {cfg.task.kind}:{cfg.task.name if cfg.task.kind == 'reasoning_gym' else cfg.task.test_path or cfg.task.env or cfg.task.dataset}")
     out = Path(cfg.eval.output or Path(cfg.output_dir) / "eval.json")
     make_dir(out.parent, "eval.output" if cfg.eval.output else "output_dir")  # fail now, not after the evaluation
-    team, models, make_env = prepare(cfg)
-    if args.adapters:
-        models.load_adapters(args.adapters)
-    if cfg.eval.without:
-        team = team.without(cfg.eval.without)
-        make_env = env_factory(cfg, team)
-    probe = make_env()
-    num = probe.num_problems("test") if hasattr(probe, "num_problems") else None  # optional for a raw TeamEnv
-    from .engines import make_engine
-
-    engine = make_engine(cfg, models)  # after the adapters are loaded: the vllm engine copies them
     with Progress(TextColumn("evaluating"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[speed]}"),
                   TimeElapsedColumn(), console=console, transient=True) as bar:
-        total = min(cfg.eval.problems, num or cfg.eval.problems) * cfg.eval.samples
-        task = bar.add_task("eval", total=total, speed="")
-        import time
-
-        t0 = time.perf_counter()
-
-        last = 0
+        task = bar.add_task("eval", total=None, speed="")
+        t0, last = time.perf_counter(), 0
 
         def progress(done, total, tokens):
             nonlocal last
             elapsed = max(time.perf_counter() - t0, 1e-9)
-            bar.update(task, completed=done, speed=f"{tokens / elapsed:.0f} tok/s")
+            bar.update(task, completed=done, total=total, speed=f"{tokens / elapsed:.0f} tok/s")
             if done != last and not console.is_terminal:  # a log file gets one line per batch instead of a bar
                 last = done
                 console.print(f"evaluating: {done}/{total} episodes, {tokens / elapsed:.0f} tok/s, {elapsed / 60:.1f} min")
 
-        try:
-            result = evaluate(cfg, team, engine, make_env, num, progress)
-        finally:
-            engine.close()
-    result["config"] = args.config
-    result["adapters"] = args.adapters or None
-    result["without"] = list(cfg.eval.without)
+        result = evaluate(cfg, args.adapters, cfg.eval.without, progress=progress)
+    result = {**result, "config": args.config}
     write_json(result, out)
-    Console().print(format_table(result, title=f"{' -> '.join(team.names)} on {cfg.task.name if cfg.task.kind == 'reasoning_gym' else cfg.task.kind}"
+    from .team import build_team
+
+    team = build_team(cfg.team)
+    names = (team.without(cfg.eval.without) if cfg.eval.without else team).names
+    Console().print(format_table(result, title=f"{' -> '.join(names)} on {task_label(cfg)}"
                                  + (" (trained adapters)" if args.adapters else " (untrained)")
                                  + (f", without {', '.join(cfg.eval.without)}" if cfg.eval.without else "")))
     console.print(f"results written to {out}")

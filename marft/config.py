@@ -10,6 +10,7 @@ indexed by position (``team.agents.1.answers=true``). When ``team.agents`` is no
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import types
@@ -294,6 +295,36 @@ class ClusterConfig:
 
 
 @dataclass
+class LogConfig:
+    """Where a ``marft train`` run's curves go besides ``metrics.jsonl`` (always written): the same
+    scalars, the config and the evaluation tables to each tracker turned on here (see
+    :mod:`marft.trackers`). W&B and MLflow are optional extras: ``pip install "marft[wandb]"`` /
+    ``"marft[mlflow]"``."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files to ``<run>/tensorboard``."""
+    wandb: bool = False
+    """Log to Weights & Biases (its files go to ``<run>/wandb``; a resumed run continues the same W&B run)."""
+    wandb_project: str = "marft"
+    """The W&B project."""
+    wandb_entity: str = ""
+    """The W&B entity (user or team); empty: your default entity."""
+    wandb_mode: str = ""
+    """``online``, ``offline`` (files only, ``wandb sync`` later) or ``disabled``; empty: W&B's own
+    default (``$WANDB_MODE``, else online)."""
+    mlflow: bool = False
+    """Log to MLflow (metrics, the config as params and as ``config.yaml``, ``eval_<tag>.json`` artifacts)."""
+    mlflow_tracking_uri: str = ""
+    """The MLflow tracking store: a server (``http://host:5000``), ``sqlite:///path/mlflow.db`` or a
+    ``file:`` folder; empty: MLflow's default (``$MLFLOW_TRACKING_URI``, else ``./mlflow.db`` with
+    MLflow 3, ``./mlruns`` with MLflow 2)."""
+    mlflow_experiment: str = "marft"
+    """The MLflow experiment (created if it does not exist)."""
+    run_name: str = ""
+    """The run's name in W&B and MLflow; empty: the name of the run folder (``output_dir``)."""
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     team: TeamConfig = field(default_factory=TeamConfig)
@@ -302,6 +333,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    log: LogConfig = field(default_factory=LogConfig)
     seed: int = 0
     output_dir: str = "runs/default"
     """Run folder: metrics, checkpoints, evaluation results."""
@@ -312,10 +344,13 @@ class RunConfig:
 # --------------------------------------------------------------------------------------------
 # loading
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
-    """Read ``path`` (YAML; None = all defaults), apply ``key=value`` overrides, validate."""
+def load_config(path: str | Path | dict | None = None, overrides: list = ()) -> RunConfig:
+    """Read ``path`` (YAML, or a dict of the same shape; None = all defaults), apply the overrides
+    (``key=value`` strings or ``(key, value)`` pairs), validate."""
     data: dict = {}
-    if path is not None:
+    if isinstance(path, dict):  # the Python API: a config as plain data (marft.load_config)
+        data, path = copy.deepcopy(path), "the config"
+    elif path is not None:
         p = Path(path)
         if not p.is_file():
             raise UserError(f"config file {p} not found; give the path of a YAML file such as configs/duo_arithmetic.yaml")
@@ -330,7 +365,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
             raise UserError(f"config file {p} is not valid YAML{where}: {getattr(e, 'problem', e)}") from None
         if not isinstance(data, dict):
             raise UserError(f"config file {p} must hold a mapping of keys (model:, team:, ...), not {type(data).__name__}")
-    parsed = [_split_override(o) for o in overrides]
+    parsed = [o if isinstance(o, tuple) else _split_override(o) for o in overrides]
     _check_kind_override(data, parsed, path)
     late = [(k, v) for k, v in parsed if k.startswith("team.agents")]
     for k, v in parsed:
@@ -523,6 +558,12 @@ def validate(cfg: RunConfig) -> None:
     for name in ("value_clip", "entropy_coef", "kl_coef", "target_kl", "agent_by_agent", "critic_warmup", "eval_every",
                  "max_bad_updates"):
         _check(getattr(tr, name) >= 0, f"train.{name} must be 0 (off) or positive, got {getattr(tr, name)}")
+    lg = cfg.log
+    _check(lg.wandb_mode in ("", "online", "offline", "disabled"),
+           f"log.wandb_mode must be online, offline, disabled or empty (W&B's default, $WANDB_MODE), got {lg.wandb_mode!r}")
+    _check(not lg.wandb or bool(lg.wandb_project.strip()), "log.wandb_project is empty; name the W&B project, e.g. log.wandb_project=marft")
+    _check(not lg.mlflow or bool(lg.mlflow_experiment.strip()),
+           "log.mlflow_experiment is empty; name the MLflow experiment, e.g. log.mlflow_experiment=marft")
     _check(cfg.threads >= 0, f"threads must be 0 (default) or positive, got {cfg.threads}")
     from .team import build_team
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from .errors import UserError
-from .evaluate import accuracy_interval
+from .evaluation import accuracy_interval
 
 CURVES = [("reward", "reward (train)"), ("accuracy", "team accuracy (train)"),
           ("approx_kl", "approx. KL per agent"), ("entropy", "entropy per agent"), ("value_loss", "value loss")]

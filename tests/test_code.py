@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from marft.envs.code import CodeEnv, CodeProblem, extract_code, load_humaneval, load_mbpp, run_tests
-from marft.evaluate import pass_at_k
+from marft.evaluation import pass_at_k
 from marft.errors import UserError
 from marft.sandbox import Limits, Sandbox
 

@@ -306,7 +306,7 @@ def test_config_keys_and_validation(data_file, rewards):
 
 @pytest.mark.skipif(not (DATA / "gsm8k" / "train.json").is_file(), reason="needs ../shared/data/gsm8k")
 def test_local_gsm8k_folder_with_the_shipped_reward():
-    from marft.cli import env_factory
+    from marft.api import env_factory
     from marft.team import build_team
 
     cfg = load_config("configs/dataset_gsm8k.yaml", [f"task.dataset={DATA / 'gsm8k'}", "task.prompt_column=problem",
@@ -417,7 +417,7 @@ def vowel(reply, record):
 def test_team_learns_a_dataset_task(tiny_model_dir, vowel_env_path, tmp_path):
     """The vowel check of tests/test_train.py with the task as a JSONL file and a reward function: it
     learns, and its rewards are those of the class-based Vowel task (same prompt, same seeds)."""
-    from marft.cli import prepare
+    from marft.api import prepare
     from marft.trainer import Trainer
 
     data = write_jsonl(tmp_path / "words.jsonl", [{"question": "Say a word."}] * 10)

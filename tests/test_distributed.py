@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from marft.cli import main, prepare
+from marft.api import prepare
+from marft.cli import main
 from marft.config import load_config
 from marft.errors import UserError
 from marft.rollout import merge_rollouts
@@ -249,3 +250,14 @@ def test_colocated_learners_share_one_placement_group(ray_cluster, vowel_overrid
     assert len(groups) == 1 and groups[0]["strategy"] == "STRICT_PACK"
     m = tr.iteration_step()
     assert m["iteration"] == 1 and "planner/policy_loss" in m and "solver/policy_loss" in m
+
+
+def test_an_actors_cause_of_death_is_named():
+    """An actor that died of an error in its constructor: the run's one line names that error."""
+    from marft.distributed.driver import _cause
+
+    msg = ("The actor died because of an error raised in its creation task, ray::Learner.__init__()\n"
+           "Traceback (most recent call last):\n  File \"actors.py\", line 29, in _build\n"
+           "ImportError: cannot import name 'prepare' from 'marft.cli'\n")
+    assert _cause(RuntimeError(msg)) == "ImportError: cannot import name 'prepare' from 'marft.cli'"
+    assert _cause(RuntimeError("The actor is dead because its worker process has died.")) == "RuntimeError"

@@ -8,7 +8,8 @@ import time
 import pytest
 import torch
 
-from marft.cli import main, prepare
+from marft.api import prepare
+from marft.cli import main
 from marft.config import load_config
 from marft.generation import Sampling
 from marft.rollout import Rollout, Turn, rollout

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from marft import packing
-from marft.cli import prepare
+from marft.api import prepare
 from marft.config import load_config
 from marft.generation import sequence_logprobs
 from marft.trainer import Trainer

@@ -14,7 +14,8 @@ import torch
 import marft.engines.hf
 from marft import losses
 from conftest import VOWEL_ENV
-from marft.cli import main, prepare
+from marft.api import prepare
+from marft.cli import main
 from marft.config import load_config
 from marft.trainer import Trainer, latest_checkpoint
 

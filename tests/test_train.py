@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from marft.cli import main, prepare
+from marft.api import prepare
+from marft.cli import main
 from marft.config import load_config
 from marft.trainer import Trainer, latest_checkpoint
 

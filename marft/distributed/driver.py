@@ -157,7 +157,7 @@ class DistributedTrainer(Trainer):
         except ray.exceptions.RayActorError as e:
             last = latest_checkpoint(self.run_dir)
             kept = f"the last checkpoint, {last}, is intact: marft train --resume {self.run_dir}" if last else "no checkpoint had been written yet"
-            raise UserError(f"{what} died at iteration {self.iteration + 1} ({type(e).__name__}); the run stops, {kept}") from None
+            raise UserError(f"{what} died at iteration {self.iteration + 1} ({_cause(e)}); the run stops, {kept}") from None
 
     # ------------------------------------------------------------------ weights
     def _push_learner_state(self, opt: bool) -> None:
@@ -310,3 +310,11 @@ def _job(out: Rollout, adv: list, rows: list, orders: list, iteration: int, n_ad
     return {"iteration": iteration, "turns": [out.turns[i] for i in used], "advantages": [adv[i] for i in used],
             "rows": remap(rows), "orders": [remap(o) for o in orders], "n_adapters": n_adapters}
 
+
+def _cause(e: BaseException) -> str:
+    """The exception an actor died of, when Ray's message carries it (an error in its constructor:
+    ``ImportError: ...``), else the kind of death (``ActorDiedError``: killed, out of memory)."""
+    import re
+
+    found = re.findall(r"^\s*(\w+(?:Error|Exception): .+)$", str(e), re.M)
+    return found[-1].strip()[:200] if found else type(e).__name__

@@ -1,0 +1,216 @@
+"""The Python API (marft/api.py): the README's example runs, the API and the command line give the
+same run, configs from every kind of source agree, callbacks and stop/resume, and the trained team
+loaded for inference replies as the team did in its evaluation."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import marft
+from marft.cli import main
+from marft.trainer import latest_checkpoint
+
+ROOT = Path(__file__).parents[1]
+CONFIG = str(ROOT / "configs/duo_arithmetic.yaml")
+
+
+@pytest.fixture
+def vowel(tiny_model_dir, vowel_env_path, tmp_path):
+    return [f"model.name={tiny_model_dir}", "model.dtype=float32", "model.device=cpu",
+            "task.kind=custom", f"task.env={vowel_env_path}:Vowel", "task.options={}",
+            "rollout.max_new_tokens=4", "rollout.episodes=16", "eval.problems=4", "eval.transcripts=4",
+            "rollout.temperature=1.0", "train.lr=1e-2", "train.minibatch_size=16", "train.entropy_coef=0",
+            "team.max_new_tokens={}", "train.iterations=2", f"output_dir={tmp_path / 'run'}"]
+
+
+def comparable(run: Path) -> list[dict]:
+    """metrics.jsonl without times and speeds."""
+    return [{k: v for k, v in json.loads(line).items()
+             if k not in ("seconds", "tokens_per_s") and not k.endswith("_s") and not k.startswith(("mfu/", "machine/"))}
+            for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights(run: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return {a: load_file(latest_checkpoint(run) / "adapters" / a / "adapter_model.safetensors") for a in ("planner", "solver")}
+
+
+def test_readme_python_example_runs(vowel, tmp_path, monkeypatch, capsys):
+    """The first ```python block of the README's "From Python" section, as written, with the tiny
+    model and task put in under it (load_config applies them after the example's own settings)."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## From Python"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    real = marft.load_config
+    tiny = [*vowel, f"output_dir={tmp_path / 'from_python'}"]
+    monkeypatch.setattr(marft, "load_config", lambda *a, **kw: real(real(*a, **kw), tiny))
+    monkeypatch.chdir(ROOT)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    out = capsys.readouterr().out
+    result, team, alone = scope["result"], scope["team"], scope["alone"]
+    assert result.run_dir == tmp_path / "from_python" and result.final is not None
+    assert len(result.metrics) == 2 and result.adapters == latest_checkpoint(result.run_dir) / "adapters"
+    assert "untrained" in out and "-> trained" in out
+    assert alone["without"] == ["planner"] and alone["problems"] == 4
+    assert team.model.active_adapter == "solver"
+
+
+def test_api_and_command_line_give_the_same_run(vowel, tmp_path):
+    cli, api = tmp_path / "cli", tmp_path / "api"
+    assert main(["train", CONFIG, *vowel, f"output_dir={cli}"]) == 0
+    config = marft.load_config(CONFIG, [*vowel, f"output_dir={api}"])
+    with marft.MarftTrainer(config, log=None) as trainer:
+        result = trainer.train()
+    assert comparable(cli) == comparable(api) and len(comparable(api)) == 2
+    for name in ("eval_untrained.json", "eval_final.json"):
+        a, b = (json.loads((run / name).read_text()) for run in (cli, api))
+        assert a["per_problem_success"] == b["per_problem_success"] and a["transcripts"] == b["transcripts"]
+    wa, wb = weights(cli), weights(api)
+    assert all(torch.equal(wa[a][k], wb[a][k]) for a in wa for k in wa[a])
+    assert result.final["accuracy"] == json.loads((cli / "eval_final.json").read_text())["accuracy"]
+
+
+def test_configs_from_every_source_agree(tmp_path):
+    from marft.envs.rewards import gsm8k
+
+    a = marft.load_config(CONFIG, ["train.lr=1e-3", "model.lora.r=4", "seed=3"])
+    b = marft.load_config(CONFIG, {"train.lr": 1e-3, "model.lora.r": 4}, seed=3)
+    c = marft.load_config(CONFIG, train={"lr": 1e-3}, model={"lora": {"r": 4}}, seed=3)
+    import yaml
+
+    d = marft.load_config(yaml.safe_load(Path(CONFIG).read_text()), train={"lr": 1e-3}, model={"lora": {"r": 4}}, seed=3)
+    e = marft.load_config(marft.load_config(CONFIG), train={"lr": 1e-3}, model={"lora": {"r": 4}}, seed=3)
+    assert a == b == c == d == e and a.train.lr == 1e-3 and a.model.lora.r == 4 and a.seed == 3
+    assert a.team.agents[0].prompt == marft.load_config(CONFIG).team.agents[0].prompt
+    # a function or class as itself: its import path is what the config holds
+    f = marft.load_config(None, task={"kind": "dataset", "dataset": "x.jsonl", "reward": gsm8k})
+    assert f.task.reward == "marft.envs.rewards:gsm8k"
+    with pytest.raises(marft.UserError, match="top-level function"):
+        marft.load_config(None, task={"kind": "dataset", "dataset": "x.jsonl", "reward": lambda reply, record: 1.0})
+    with pytest.raises(marft.UserError, match="unknown key 'train.bogus'"):
+        marft.load_config(CONFIG, train={"bogus": 1})
+
+
+def test_callbacks_stop_and_resume(vowel, tmp_path):
+    seen = {"metrics": [], "evals": []}
+
+    class Stopper:
+        def on_iteration(self, trainer, metrics):
+            seen["metrics"].append(metrics["iteration"])
+            if metrics["iteration"] == 1:
+                trainer.stop()
+
+        def on_evaluate(self, trainer, tag, result):
+            seen["evals"].append((tag, trainer.iteration))
+
+    plain: list = []
+    config = marft.load_config(CONFIG, vowel, train={"iterations": 3})
+    with marft.MarftTrainer(config, log=None, callbacks=[Stopper(), plain.append]) as trainer:
+        first = trainer.train()
+    assert first.stopped and first.final is None and seen["metrics"] == [1]
+    assert [m["iteration"] for m in plain] == [1] and latest_checkpoint(first.run_dir).name == "iter_000001"
+    with pytest.raises(marft.UserError, match="already has checkpoints"):
+        marft.MarftTrainer(config, log=None)
+    with marft.MarftTrainer.resume(first.run_dir, log=None, callbacks=[Stopper()]) as trainer:
+        assert trainer.iteration == 1 and trainer.checkpoint.name == "iter_000001"
+        second = trainer.train()
+    assert not second.stopped and [m["iteration"] for m in second.metrics] == [1, 2, 3]
+    assert seen["evals"] == [("untrained", 0), ("final", 3), ("final_without_planner", 3)]  # the config has eval.ablate
+    assert set(second.ablations) == {"planner"}
+    with pytest.raises(marft.UserError, match="cannot change train.algorithm"):
+        marft.MarftTrainer.resume(first.run_dir, train={"algorithm": "grpo"})
+
+
+def test_trained_team_replies_as_in_its_evaluation(vowel, tmp_path):
+    """Loaded for inference (a PeftModel, Hugging Face's generate), the trained team gives the
+    replies its greedy evaluation transcripts hold: the adapters and the prompts are the trained ones."""
+    from peft import PeftModel
+
+    config = marft.load_config(CONFIG, vowel, eval={"temperature": 0})
+    with marft.MarftTrainer(config, log=None) as trainer:
+        result = trainer.train()
+    team = marft.load_team(result.run_dir)
+    assert isinstance(team.model, PeftModel) and set(team.model.peft_config) == {"planner", "solver"}
+    saved = weights(result.run_dir)
+    from peft import get_peft_model_state_dict
+
+    for adapter in ("planner", "solver"):
+        loaded = get_peft_model_state_dict(team.model, adapter_name=adapter)
+        assert loaded.keys() == saved[adapter].keys()
+        assert all(torch.equal(loaded[k], saved[adapter][k]) for k in loaded)
+    transcripts = result.final["transcripts"]
+    assert len(transcripts) == 4
+    for t in transcripts:
+        replies = team.solve(t["observation"].removeprefix("Problem: "))  # the state before the first turn
+        assert replies == {turn["agent"]: turn["reply"] for turn in t["turns"]}
+    # an adapters folder needs the config it was trained with; a wrong path is one line
+    first = "Say a word."
+    assert marft.load_team(result.adapters, config).solve(first) == team.solve(first)
+    with pytest.raises(marft.UserError, match="not found"):
+        marft.load_team(tmp_path / "nothing")
+    (tmp_path / "bare" / "adapters").mkdir(parents=True)
+    with pytest.raises(marft.UserError, match="pass the config it was trained with"):
+        marft.load_team(tmp_path / "bare" / "adapters")
+    with pytest.raises(marft.UserError, match="unknown agent"):
+        team.reply("critic", "Say a word.")
+
+
+def test_evaluate_with_adapters_equals_the_runs_final_evaluation(vowel, tmp_path):
+    config = marft.load_config(CONFIG, vowel)
+    with marft.MarftTrainer(config, log=None) as trainer:
+        result = trainer.train()
+    again = marft.evaluate(config, adapters=result.run_dir, output=tmp_path / "e" / "eval.json")
+    assert again["per_problem_success"] == result.final["per_problem_success"]
+    assert again["transcripts"] == result.final["transcripts"]
+    assert json.loads((tmp_path / "e" / "eval.json").read_text())["accuracy"] == again["accuracy"]
+    untrained = marft.evaluate(config)
+    assert untrained["per_problem_success"] == result.untrained["per_problem_success"]
+
+
+@pytest.mark.slow
+def test_quickstart_example_runs_end_to_end(tmp_path):
+    """examples/quickstart.py as a script with the embedded model (minutes), in a fresh folder."""
+    import subprocess
+    import sys
+
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    proc = subprocess.run([sys.executable, str(ROOT / "examples/quickstart.py")], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=3600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    print(out)  # the example's figures, with pytest -s
+    assert "untrained: accuracy" in out and "trained: accuracy" in out and "trained solver alone" in out
+    assert "[planner]" in out and "[solver]" in out and "PeftModelForCausalLM ['planner', 'solver']" in out
+    final = json.loads((tmp_path / "runs/quickstart/eval_final.json").read_text())
+    assert final["problems"] == 64 and final["iteration"] == 12
+
+
+def test_training_run_logs_to_mlflow_and_wandb(vowel, tmp_path, monkeypatch):
+    """A real run (marft train's loop) with log.mlflow and log.wandb (offline) on: each tracker
+    holds the reward of every iteration of metrics.jsonl and the evaluations."""
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    from mlflow.tracking import MlflowClient
+
+    for var in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / var.lower()))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run = tmp_path / "tracked"
+    assert main(["train", CONFIG, *vowel, f"output_dir={run}", "eval.ablate=false", "log.mlflow=true",
+                 f"log.mlflow_tracking_uri={uri}", "log.wandb=true", "log.wandb_mode=offline"]) == 0
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    client = MlflowClient(uri)
+    run_id = (run / "mlflow_run_id").read_text().strip()
+    got = [(m.step, m.value) for m in client.get_metric_history(run_id, "reward")]
+    assert got == [(m["iteration"], pytest.approx(m["reward"])) for m in lines] and len(got) == 2
+    final = json.loads((run / "eval_final.json").read_text())
+    acc = [(m.step, m.value) for m in client.get_metric_history(run_id, "eval/accuracy")]
+    assert acc[-1] == (2, pytest.approx(final["accuracy"])) and acc[0][0] == 0  # untrained, then final
+    assert client.get_run(run_id).data.params["train.lr"] == "0.01"
+    assert len(list(run.glob("wandb/offline-run-*/run-*.wandb"))) == 1
