@@ -261,3 +261,59 @@ def test_an_actors_cause_of_death_is_named():
            "ImportError: cannot import name 'prepare' from 'marft.cli'\n")
     assert _cause(RuntimeError(msg)) == "ImportError: cannot import name 'prepare' from 'marft.cli'"
     assert _cause(RuntimeError("The actor is dead because its worker process has died.")) == "RuntimeError"
+
+
+def test_a_replacement_worker_that_dies_while_starting_is_replaced_too(monkeypatch):
+    """_replace_worker with stand-ins for Ray and the actors: the first replacement dies while
+    loading the adapters, the second takes them; both count as restarts, and past
+    cluster.max_worker_restarts the run stops with one line naming the cause."""
+    import types
+
+    import ray.exceptions
+
+    from marft.distributed import driver
+
+    class Call:
+        def __init__(self, ok, why=""):
+            self.ok, self.why = ok, why
+
+    class Worker:
+        def __init__(self, ok):
+            self.loaded = None
+            self.set_adapters = types.SimpleNamespace(remote=lambda version, states: self._set(ok, version, states))
+
+        def _set(self, ok, version, states):
+            if ok:
+                self.loaded = (version, states)
+            return Call(ok, "ImportError: no module named broken")
+
+    class FakeRay:
+        exceptions = ray.exceptions
+        killed: list = []
+
+        def kill(self, actor, no_restart):
+            self.killed.append(actor)
+
+        def get(self, call):
+            if not call.ok:
+                raise ray.exceptions.RayActorError(error_msg=call.why)
+            return None
+
+    fake = FakeRay()
+    monkeypatch.setattr(driver, "_ray", lambda: fake)
+    t = driver.DistributedTrainer.__new__(driver.DistributedTrainer)
+    fresh = iter([Worker(False), Worker(True), Worker(False), Worker(False)])
+    lines: list = []
+    t.cfg = types.SimpleNamespace(cluster=types.SimpleNamespace(max_worker_restarts=3))
+    t.restarts, t.iteration, t.version, t.run_dir, t.log = 0, 4, 7, "runs/r", lines.append
+    t.team = types.SimpleNamespace(adapters=["planner", "solver"])
+    t.models = types.SimpleNamespace(adapter_state=lambda a: {"w": a})
+    t._new_worker = lambda: next(fresh)
+    dead = Worker(True)
+    t.workers = [dead]
+    t._replace_worker(0, "while playing (ActorDiedError)")
+    assert t.restarts == 2 and t.workers[0].loaded == (7, {"planner": {"w": "planner"}, "solver": {"w": "solver"}})
+    assert "while starting (ImportError: no module named broken)" in lines[1] and fake.killed[0] is dead
+    with pytest.raises(UserError, match=r"died 4 times \(more than cluster.max_worker_restarts=3\); the last one while "
+                                        r"starting \(ImportError: no module named broken\) at iteration 5"):
+        t._replace_worker(0, "while playing (ActorDiedError)")

@@ -180,20 +180,28 @@ class DistributedTrainer(Trainer):
                 try:
                     ray.get(self.workers[k].set_adapters.remote(self.version, ref))
                     break
-                except ray.exceptions.RayActorError:
-                    self._replace_worker(k, "while loading new adapters")
+                except ray.exceptions.RayActorError as e:
+                    self._replace_worker(k, f"while loading new adapters ({_cause(e)})")
 
     def _replace_worker(self, k: int, when: str) -> None:
-        self.restarts += 1
-        if self.restarts > self.cfg.cluster.max_worker_restarts:
-            raise UserError(f"rollout workers died {self.restarts} times (more than cluster.max_worker_restarts="
-                            f"{self.cfg.cluster.max_worker_restarts}); the last one {when} at iteration {self.iteration + 1}. "
-                            f"Look at the Ray logs (/tmp/ray/session_latest/logs); marft train --resume {self.run_dir} continues")
-        self.log(f"warning: rollout worker {k} died {when} at iteration {self.iteration + 1}; replaced, its episodes replayed")
-        _ray().kill(self.workers[k], no_restart=True)
-        self.workers[k] = self._new_worker()
-        states = {a: self.models.adapter_state(a) for a in self.team.adapters}
-        _ray().get(self.workers[k].set_adapters.remote(self.version, states))
+        """Worker k died ``when``: a new one with the current adapters (a replacement that dies while
+        starting is replaced too; each counts against ``cluster.max_worker_restarts``)."""
+        ray = _ray()
+        while True:
+            self.restarts += 1
+            if self.restarts > self.cfg.cluster.max_worker_restarts:
+                raise UserError(f"rollout workers died {self.restarts} times (more than cluster.max_worker_restarts="
+                                f"{self.cfg.cluster.max_worker_restarts}); the last one {when} at iteration {self.iteration + 1}. "
+                                f"Look at the Ray logs (/tmp/ray/session_latest/logs); marft train --resume {self.run_dir} continues")
+            self.log(f"warning: rollout worker {k} died {when} at iteration {self.iteration + 1}; replaced, its episodes replayed")
+            ray.kill(self.workers[k], no_restart=True)
+            self.workers[k] = self._new_worker()
+            states = {a: self.models.adapter_state(a) for a in self.team.adapters}
+            try:
+                ray.get(self.workers[k].set_adapters.remote(self.version, states))
+                return
+            except ray.exceptions.RayActorError as e:
+                when = f"while starting ({_cause(e)})"
 
     def digests(self) -> dict:
         """The adapter digests every rollout worker and learner holds (for checks)."""
@@ -213,8 +221,8 @@ class DistributedTrainer(Trainer):
                 parts[k], nbytes = ray.get(ref)
                 self.bytes["rollout"] += nbytes
                 del pending[k]
-            except ray.exceptions.RayActorError:
-                self._replace_worker(k, "while playing")
+            except ray.exceptions.RayActorError as e:
+                self._replace_worker(k, f"while playing ({_cause(e)})")
                 pending[k] = self.workers[k].play.remote(shards[k], shard_seed(self.cfg, it, k))
         return merge_rollouts([parts[k] for k in range(len(shards))], self.team.names)
 
