@@ -199,7 +199,7 @@ def evaluate(config: RunConfig, adapters: str | Path | None = None, without: Ite
 
 def adapters_folder(source: str | Path) -> Path:
     """The ``adapters/`` folder of a run folder (its latest checkpoint), of a checkpoint, or itself."""
-    from .trainer import latest_checkpoint
+    from .checkpoints import latest_checkpoint
 
     p = Path(source)
     if (p / "checkpoints").is_dir():
@@ -248,7 +248,8 @@ class MarftTrainer:
 
     def __init__(self, config: RunConfig, *, log: Callable[[str], None] | None = _stderr,
                  callbacks: Iterable[Any] = (), _resume: Path | None = None):
-        from .trainer import Trainer, latest_checkpoint
+        from .checkpoints import latest_checkpoint
+        from .trainer import Trainer
 
         self.config = cfg = config
         self.run_dir = Path(cfg.output_dir)
@@ -278,7 +279,7 @@ class MarftTrainer:
     def resume(cls, run_dir: str | Path, overrides: Iterable[str] | dict = (), **kwargs: Any) -> "MarftTrainer":
         """The run in ``run_dir`` at its last checkpoint, with its saved config and ``overrides``
         (those that do not change what the checkpoint holds: more iterations, a learning rate...)."""
-        from .trainer import latest_checkpoint
+        from .checkpoints import latest_checkpoint
 
         run_dir = Path(run_dir)
         if not run_dir.is_dir():
@@ -341,7 +342,7 @@ class MarftTrainer:
         Writes metrics.jsonl, TensorBoard and the trackers of ``log:``; resumes where it stopped."""
         from .evaluation import write_json
         from .trackers import Trackers
-        from .trainer import append_metrics, truncate_metrics
+        from .checkpoints import append_metrics, read_metrics, truncate_metrics
 
         cfg, run_dir, resumed = self.config, self.run_dir, self._checkpoint is not None
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -404,7 +405,7 @@ class MarftTrainer:
         return res
 
     def _adapters(self) -> Path | None:
-        from .trainer import latest_checkpoint
+        from .checkpoints import latest_checkpoint
 
         ckpt = latest_checkpoint(self.run_dir)
         return ckpt / "adapters" if ckpt is not None else None
@@ -429,12 +430,6 @@ def _call(callback, method: str, *args) -> None:
         fn(*args)
     elif method == "on_iteration" and callable(callback):
         callback(args[-1])
-
-
-def read_metrics(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def progress_line(m: dict, total: int, left_s: float) -> str:

@@ -165,7 +165,7 @@ def load_sweep(path: str | Path) -> Sweep:
 
 def run_state(folder: Path) -> str:
     """complete (eval_final.json), resumable (a checkpoint) or new."""
-    from .trainer import latest_checkpoint
+    from .checkpoints import latest_checkpoint
 
     if (folder / "eval_final.json").is_file():
         return "complete"

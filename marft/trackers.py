@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .checkpoints import write_atomic
 from .errors import UserError
 
 _MLFLOW_PARAM_VALUE_LIMIT = 500  # MLflow 1.x-2.2 stores at most 500 characters (later: 6000)
@@ -153,7 +154,7 @@ class _WandB:
         except Exception as e:
             raise UserError(f"log.wandb: wandb.init failed ({type(e).__name__}: {_one_line(e)}); run wandb login, "
                             "check log.wandb_project and log.wandb_entity, or set log.wandb_mode=offline") from None
-        _write_atomic(id_path, run_id)
+        write_atomic(id_path, run_id + "\n")
 
     def metrics(self, scalars: dict, step: int) -> None:
         self.run.log(scalars, step=step)
@@ -239,7 +240,7 @@ class _MLflow:
         except Exception as e:
             raise UserError(f"log.mlflow: cannot start a run in {where} ({type(e).__name__}: {_one_line(e, 600)}); "
                             "check log.mlflow_tracking_uri") from None
-        _write_atomic(id_path, self.run_id)
+        write_atomic(id_path, self.run_id + "\n")
 
     def metrics(self, scalars: dict, step: int) -> None:
         from mlflow.entities import Metric
@@ -266,12 +267,6 @@ def _mlflow_tags(run_dir: Path) -> dict[str, str]:
     except Exception:
         pass
     return tags
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text + "\n")
-    tmp.replace(path)
 
 
 class Trackers:

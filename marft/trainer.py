@@ -23,10 +23,7 @@ random choice of iteration i is seeded from (seed, i), so a resumed run repeats 
 """
 from __future__ import annotations
 
-import json
-import os
 import random
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +32,7 @@ import torch
 
 from . import advantages as adv_fns
 from . import flops, losses, packing
+from .checkpoints import latest_checkpoint, read_state, write_checkpoint
 from .config import RunConfig, save_config
 from .critic import ValueHead, prompt_features, state_features, token_features
 from .engines import Engine, make_engine
@@ -597,58 +595,32 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
-        """Write ``checkpoints/iter_NNNNNN`` atomically (to a temporary folder, then renamed) and
-        point ``checkpoints/latest`` at it."""
-        root = self.run_dir / "checkpoints"
-        root.mkdir(parents=True, exist_ok=True)
-        name = f"iter_{self.iteration:06d}"
-        final = root / name
-        for stale in root.glob(".iter_*.tmp-*"):  # left by a run killed while saving
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = root / f".{name}.tmp-{os.getpid()}"
-        tmp.mkdir()
-        self.models.save_adapters(tmp / "adapters")
-        torch.save({
-            "iteration": self.iteration,
-            "heads": {k: h.state_dict() for k, h in self.heads.items()},
-            "critic_opt": {k: o.state_dict() for k, o in self.critic_opt.items()},
-            "policy_opt": {k: o.state_dict() for k, o in self.policy_opt.items()},
-            "torch_rng": torch.get_rng_state(),
-            "team": self.team.names,
-            "adapters": self.team.adapters,
-            "algorithm": self.algorithm,
-            "bad_in_a_row": self.bad_in_a_row,
-        }, tmp / "trainer.pt")
-        save_config(self.cfg, tmp / "config.yaml")
-        _fsync_tree(tmp)
-        if final.exists():  # written before by a run killed before it named it latest: set it aside first
-            old = root / f".{name}.tmp-old-{os.getpid()}"
-            os.replace(final, old)
-            shutil.rmtree(old)
-        os.replace(tmp, final)
-        _write_atomic(root / "latest", name)
-        keep = self.cfg.train.keep_checkpoints
-        if keep:
-            for old in sorted(root.glob("iter_*"))[:-keep]:
-                if old != final:
-                    shutil.rmtree(old, ignore_errors=True)
-        return final
+        """Write ``checkpoints/iter_NNNNNN`` atomically and point ``checkpoints/latest`` at it
+        (:mod:`marft.checkpoints`): the adapters (PEFT format), the critic, the optimisers, the RNG
+        state and the config."""
+        def fill(folder: Path) -> None:
+            self.models.save_adapters(folder / "adapters")
+            torch.save({
+                "iteration": self.iteration,
+                "heads": {k: h.state_dict() for k, h in self.heads.items()},
+                "critic_opt": {k: o.state_dict() for k, o in self.critic_opt.items()},
+                "policy_opt": {k: o.state_dict() for k, o in self.policy_opt.items()},
+                "torch_rng": torch.get_rng_state(),
+                "team": self.team.names,
+                "adapters": self.team.adapters,
+                "algorithm": self.algorithm,
+                "bad_in_a_row": self.bad_in_a_row,
+            }, folder / "trainer.pt")
+            save_config(self.cfg, folder / "config.yaml")
+
+        return write_checkpoint(self.run_dir, self.iteration, fill, self.cfg.train.keep_checkpoints)
 
     def close(self) -> None:
         """Free the engine (and, for a distributed run, the actors)."""
         self.engine.close()
 
     def load(self, checkpoint: Path) -> None:
-        path = checkpoint / "trainer.pt"
-        if not path.is_file():
-            raise UserError(f"checkpoint {checkpoint} has no trainer.pt; it is incomplete or not a marft checkpoint")
-        try:
-            state = torch.load(path, weights_only=False)
-        except Exception as e:  # truncated or corrupt file
-            earlier = sorted(p.name for p in checkpoint.parent.glob("iter_*") if p != checkpoint and (p / "trainer.pt").is_file())
-            hint = (f"to resume from an earlier one, write its name ({', '.join(earlier[-3:])}) into {checkpoint.parent / 'latest'}"
-                    if earlier else "there is no earlier checkpoint; start a new run")
-            raise UserError(f"checkpoint {checkpoint} cannot be read ({type(e).__name__}: the file is truncated or corrupt); {hint}") from None
+        state = read_state(checkpoint)
         mine = (self.team.names, self.team.adapters, self.algorithm)
         if (state["team"], state["adapters"], state["algorithm"]) != mine:
             raise UserError(f"checkpoint {checkpoint} was written for team {state['team']} with adapters {state['adapters']} "
@@ -689,48 +661,3 @@ def play(cfg: RunConfig, team, engine: Engine, make_env, resets: list[tuple[int,
 def _finite(x: torch.Tensor, mask: torch.Tensor) -> bool:
     """Whether ``x`` [b, R] is finite wherever ``mask`` [b, R] is True (padding may hold anything)."""
     return bool(torch.isfinite(x[mask.to(x.device)]).all())
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    pointer = Path(run_dir) / "checkpoints" / "latest"
-    if not pointer.is_file():
-        return None
-    path = pointer.parent / pointer.read_text().strip()
-    return path if path.is_dir() else None
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_tree(folder: Path) -> None:
-    for p in folder.rglob("*"):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-
-
-def append_metrics(path: Path, metrics: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(metrics) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def truncate_metrics(path: Path, iteration: int) -> None:
-    """Drop metric lines written after ``iteration`` (a run killed after its last checkpoint)."""
-    if not path.is_file():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line).get("iteration", 0) <= iteration:
-                keep.append(line)
-        except json.JSONDecodeError:
-            break  # a line cut by a kill
-    _write_atomic(path, "".join(line + "\n" for line in keep))

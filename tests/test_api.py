@@ -10,7 +10,7 @@ import torch
 
 import marft
 from marft.cli import main
-from marft.trainer import latest_checkpoint
+from marft.checkpoints import latest_checkpoint
 
 ROOT = Path(__file__).parents[1]
 CONFIG = str(ROOT / "configs/duo_arithmetic.yaml")

@@ -15,7 +15,8 @@ from marft.cli import main
 from marft.config import load_config
 from marft.errors import UserError
 from marft.rollout import merge_rollouts
-from marft.trainer import Trainer, latest_checkpoint
+from marft.checkpoints import latest_checkpoint
+from marft.trainer import Trainer
 
 from test_train import snapshot, trainer_for, vowel_overrides  # noqa: F401 - fixtures
 

@@ -13,7 +13,8 @@ from marft.cli import main
 from marft.config import load_config
 from marft.generation import Sampling
 from marft.rollout import Rollout, Turn, rollout
-from marft.trainer import Trainer, latest_checkpoint
+from marft.checkpoints import latest_checkpoint
+from marft.trainer import Trainer
 
 ENVS = '''
 import time

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from marft.trainer import latest_checkpoint
+from marft.checkpoints import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # chosen iteration: argv = WHERE ITERATION marft-arguments...
 DRIVER = '''
 import os, signal, sys
-import marft.models as M, marft.engines.hf as R, marft.trainer as T
+import marft.models as M, marft.engines.hf as R, marft.trainer as T, marft.checkpoints as C
 from marft.cli import main
 
 where, at, args = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
@@ -56,9 +56,9 @@ elif where == "update":  # the second micro-batch of the policy update, after an
 elif where == "adapters":  # the checkpoint's adapters are written, trainer.pt is not
     M.TeamModel.save_adapters = kill_at(M.TeamModel.save_adapters, after=True)
 elif where == "rename":  # the checkpoint is complete in its temporary folder, not yet renamed
-    T._fsync_tree = kill_at(T._fsync_tree, after=True)
+    C._fsync_tree = kill_at(C._fsync_tree, after=True)
 elif where == "pointer":  # the checkpoint is renamed, latest still names the previous one
-    T._write_atomic = kill_at(T._write_atomic, when=lambda path, text: path.name == "latest")
+    C.write_atomic = kill_at(C.write_atomic, when=lambda path, text: path.name == "latest")
 sys.exit(main(args))
 '''
 

@@ -17,7 +17,8 @@ from conftest import VOWEL_ENV
 from marft.api import prepare
 from marft.cli import main
 from marft.config import load_config
-from marft.trainer import Trainer, latest_checkpoint
+from marft.checkpoints import latest_checkpoint
+from marft.trainer import Trainer
 
 ENVS = VOWEL_ENV + '''
 class Never(Vowel):

@@ -24,7 +24,8 @@ import time
 
 from ..errors import UserError
 from ..rollout import Rollout, merge_rollouts
-from ..trainer import Trainer, _gap_stat, _seed, latest_checkpoint
+from ..checkpoints import latest_checkpoint
+from ..trainer import Trainer, _gap_stat, _seed
 from .actors import Learner, RolloutWorker
 
 

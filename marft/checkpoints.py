@@ -1,0 +1,113 @@
+"""Run-folder files that must survive a kill at any moment: checkpoints and metrics.jsonl.
+
+A checkpoint ``<run>/checkpoints/iter_NNNNNN/`` is written into a temporary folder, fsynced and
+renamed; only then does ``checkpoints/latest`` (itself written atomically) name it, so a run killed
+while saving resumes from the previous one. ``metrics.jsonl`` gets one fsynced line per iteration;
+on resume the lines after the checkpoint's iteration (written by the run that was killed) are cut.
+What goes into a checkpoint is the trainer's business (:meth:`marft.trainer.Trainer.save`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+from .errors import UserError
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint of ``run_dir`` (what ``checkpoints/latest`` names), or None."""
+    pointer = Path(run_dir) / "checkpoints" / "latest"
+    if not pointer.is_file():
+        return None
+    path = pointer.parent / pointer.read_text().strip()
+    return path if path.is_dir() else None
+
+
+def write_checkpoint(run_dir: str | Path, iteration: int, fill: Callable[[Path], None], keep: int = 0) -> Path:
+    """``fill(folder)`` writes the checkpoint's files into a temporary folder, which becomes
+    ``checkpoints/iter_NNNNNN`` and ``latest``; then all but the newest ``keep`` go (0 = keep all)."""
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"iter_{iteration:06d}"
+    final = root / name
+    for stale in root.glob(".iter_*.tmp-*"):  # left by a run killed while saving
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = root / f".{name}.tmp-{os.getpid()}"
+    tmp.mkdir()
+    fill(tmp)
+    _fsync_tree(tmp)
+    if final.exists():  # written before by a run killed before it named it latest: set it aside first
+        old = root / f".{name}.tmp-old-{os.getpid()}"
+        os.replace(final, old)
+        shutil.rmtree(old)
+    os.replace(tmp, final)
+    write_atomic(root / "latest", name)
+    if keep:
+        for old in sorted(root.glob("iter_*"))[:-keep]:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def read_state(checkpoint: Path, file: str = "trainer.pt") -> dict:
+    """The trainer state of ``checkpoint``, or a one-line error saying which earlier one to use."""
+    import torch
+
+    path = checkpoint / file
+    if not path.is_file():
+        raise UserError(f"checkpoint {checkpoint} has no {file}; it is incomplete or not a marft checkpoint")
+    try:
+        return torch.load(path, weights_only=False)
+    except Exception as e:  # truncated or corrupt file
+        earlier = sorted(p.name for p in checkpoint.parent.glob("iter_*") if p != checkpoint and (p / file).is_file())
+        hint = (f"to resume from an earlier one, write its name ({', '.join(earlier[-3:])}) into {checkpoint.parent / 'latest'}"
+                if earlier else "there is no earlier checkpoint; start a new run")
+        raise UserError(f"checkpoint {checkpoint} cannot be read ({type(e).__name__}: the file is truncated or corrupt); {hint}") from None
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """``path`` holds ``text`` or what it held before, never a part (a temporary file renamed over it)."""
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_tree(folder: Path) -> None:
+    for p in folder.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+
+
+def append_metrics(path: Path, metrics: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(metrics) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The lines of metrics.jsonl (none if it does not exist)."""
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def truncate_metrics(path: Path, iteration: int) -> None:
+    """Drop metric lines written after ``iteration`` (a run killed after its last checkpoint)."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("iteration", 0) <= iteration:
+                keep.append(line)
+        except json.JSONDecodeError:
+            break  # a line cut by a kill
+    write_atomic(path, "".join(line + "\n" for line in keep))
