@@ -230,7 +230,7 @@ def _cell(s: dict | None) -> tuple[str, str]:
 def to_markdown(report: dict, plots: list[str]) -> str:
     rows = report["groups"]
     axes = list(dict.fromkeys(k for r in rows for k in r["labels"]))
-    lines = [f"# marft report", "",
+    lines = ["# marft report", "",
              f"{report['complete']} of {report['runs']} runs complete. Accuracy on held-out problems in %: mean ± "
              "standard deviation over seeds, and the 95% interval pooled over seeds (problems as the units).",
              f"Time in the runs: {report['train_minutes'] + report['eval_minutes']:.0f} min "
