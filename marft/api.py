@@ -47,12 +47,7 @@ def load_config(source: str | Path | dict | RunConfig | None = None, overrides: 
     earlier config, or None (every default). Then ``overrides`` (``["train.lr=1e-5"]`` as on the
     command line, or ``{"train.lr": 1e-5}``) and keyword sections (``train={"lr": 1e-5}``,
     ``seed=1``) apply, in that order. A wrong key or value is a :class:`marft.UserError`."""
-    pairs: list[tuple[str, Any]] = []
-    if isinstance(overrides, dict):
-        pairs += list(overrides.items())
-    else:
-        for o in overrides:
-            pairs.append(o if isinstance(o, tuple) else _split(o))
+    pairs: list = list(overrides.items()) if isinstance(overrides, dict) else list(overrides)  # "k=v" or (k, v)
     for key, value in sections.items():
         if isinstance(value, dict):
             pairs += _flatten(value, key)
@@ -65,7 +60,8 @@ def load_config(source: str | Path | dict | RunConfig | None = None, overrides: 
         for k in ("reward", "env"):
             if k in task:
                 task[k] = _import_path(task[k], f"task.{k}")
-    pairs = [(k, _import_path(v, k) if k in ("task.reward", "task.env") else v) for k, v in pairs]
+    pairs = [(o[0], _import_path(o[1], o[0])) if isinstance(o, tuple) and o[0] in ("task.reward", "task.env") else o
+             for o in pairs]
     return _load_config(source, pairs)
 
 
@@ -82,12 +78,6 @@ def _import_path(value: Any, key: str) -> Any:
     if module == "__main__" and main_file:  # a script: its file, which other processes can import too
         return f"{Path(main_file).resolve()}:{name}"
     return f"{module}:{name}"  # a notebook's __main__ works in this process (not on Ray workers)
-
-
-def _split(text: str) -> tuple[str, Any]:
-    from .config import _split_override
-
-    return _split_override(text)
 
 
 def _flatten(data: dict, prefix: str) -> list[tuple[str, Any]]:
@@ -255,7 +245,7 @@ class MarftTrainer:
         self.run_dir = Path(cfg.output_dir)
         self._log = log or (lambda message: None)
         self.callbacks = list(callbacks)
-        self._checkpoint = latest_checkpoint(self.run_dir) if _resume else None
+        self._checkpoint = _resume
         if not _resume:
             if latest_checkpoint(self.run_dir) is not None:
                 raise UserError(f"run folder {self.run_dir} already has checkpoints; continue it with --resume {self.run_dir} "
@@ -308,6 +298,11 @@ class MarftTrainer:
     def stop(self) -> None:
         """Ask :meth:`train` to stop after the current iteration (it saves a checkpoint first)."""
         self._stop = True
+
+    @property
+    def stopping(self) -> bool:
+        """:meth:`stop` was called: :meth:`train` returns after the current iteration."""
+        return self._stop
 
     def step(self) -> dict:
         """One iteration (rollout, targets, critic and policy updates); returns its metrics."""
@@ -474,8 +469,6 @@ class TrainedTeam:
         self._models = TeamModel(self.team, config.model)
         if adapters is not None:
             self._models.load_adapters(adapters_folder(adapters))
-        if len(self._models.bases) > 1:  # agents on different base models: one PeftModel each
-            self.models = dict(self._models.bases)
         self.model, self.tokenizer, _ = self._models.for_agent(self.team.names[0])
 
     def reply(self, agent: str, observation: str, replies: dict[str, str] | None = None,

@@ -137,11 +137,7 @@ def cmd_eval(args) -> int:
         result = evaluate(cfg, args.adapters, cfg.eval.without, progress=progress)
     result = {**result, "config": args.config}
     write_json(result, out)
-    from .team import build_team
-
-    team = build_team(cfg.team)
-    names = (team.without(cfg.eval.without) if cfg.eval.without else team).names
-    Console().print(format_table(result, title=f"{' -> '.join(names)} on {task_label(cfg)}"
+    Console().print(format_table(result, title=f"{' -> '.join(result['agents'])} on {task_label(cfg)}"
                                  + (" (trained adapters)" if args.adapters else " (untrained)")
                                  + (f", without {', '.join(cfg.eval.without)}" if cfg.eval.without else "")))
     console.print(f"results written to {out}")

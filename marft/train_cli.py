@@ -36,7 +36,7 @@ def cmd_train(args) -> int:
     atexit.register(trainer.close)  # a vllm engine's worker processes, Ray's actors
 
     def on_stop(signum, frame):
-        if trainer._stop:
+        if trainer.stopping:
             raise KeyboardInterrupt
         trainer.stop()
         what = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
