@@ -28,6 +28,12 @@ finished are reported as such). A run that fails is recorded and the sweep goes 
 exits with status 1. Each run's output goes to ``log.txt`` in its folder; its ``sweep_run.json``
 holds its labels, overrides and ``seconds``, the wall time of its attempts summed across sweeps (an
 attempt killed with the sweep process is not counted).
+
+To end a sweep without losing work in progress, create the file ``<output_dir>/STOP`` (``touch``):
+the runs already going finish, no new run starts, and the sweep exits with status 1 (not all runs
+complete); run it again to continue. The sweep removes a ``STOP`` it finds when it starts, so the
+file only ever stops the sweep that is running. Ctrl-C (or SIGTERM) instead stops the runs in
+progress at the end of their iteration, each with a checkpoint to resume from.
 """
 from __future__ import annotations
 
@@ -202,11 +208,17 @@ def run_sweep(sweep: Sweep, log=print, execute=None) -> int:
         run.status = "complete" if run_state(run.folder) == "complete" else "pending"
         run.seconds = _recorded_seconds(run.folder)  # wall time of earlier attempts
     _write_plan(sweep)
+    stop_file = sweep.output_dir / "STOP"
+    if stop_file.exists():
+        stop_file.unlink()
+        log(f"removed {stop_file}, left from an earlier sweep")
     todo = [r for r in sweep.runs if r.status != "complete"]
     log(f"sweep {sweep.path}: {len(sweep.runs)} runs, {len(sweep.runs) - len(todo)} complete, {len(todo)} to run "
         f"({sweep.parallel} at a time, {threads} threads each), in {sweep.output_dir}")
 
     def one(run: Run) -> None:
+        if stop_file.exists():  # drain: runs in progress finish, no new one starts
+            return
         run.folder.mkdir(parents=True, exist_ok=True)
 
         machines = _recorded_machines(run.folder)
@@ -244,12 +256,15 @@ def run_sweep(sweep: Sweep, log=print, execute=None) -> int:
     else:
         with ThreadPoolExecutor(sweep.parallel) as pool:
             list(pool.map(one, todo))
-    failed = [r for r in sweep.runs if r.status != "complete"]
-    log(f"sweep finished: {len(sweep.runs) - len(failed)} of {len(sweep.runs)} runs complete"
-        f" ({sum(r.seconds for r in sweep.runs) / 60:.0f} min of run wall time in all attempts)"
+    failed = [r for r in sweep.runs if r.status.startswith("failed")]
+    waiting = [r for r in sweep.runs if r.status == "pending"]
+    complete = len(sweep.runs) - len(failed) - len(waiting)
+    log(f"sweep {'stopped by ' + str(stop_file) if waiting else 'finished'}: {complete} of {len(sweep.runs)} runs"
+        f" complete ({sum(r.seconds for r in sweep.runs) / 60:.0f} min of run wall time in all attempts)"
         + (f"; failed: {', '.join(r.name for r in failed)}" if failed else "")
+        + (f"; {len(waiting)} not started: run the sweep again to continue" if waiting else "")
         + f". Report: marft report {sweep.output_dir}")
-    return 1 if failed else 0
+    return 1 if failed or waiting else 0
 
 
 def _recorded_seconds(folder: Path) -> float:

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -112,6 +113,34 @@ def test_complete_runs_are_skipped_checkpointed_ones_resumed_failed_ones_retried
     calls.clear()
     assert run_sweep(load_sweep(path), log=lambda m: None, execute=fake_executor(calls)) == 0
     assert calls == []
+
+
+def test_stop_file_lets_runs_in_progress_finish_and_starts_no_new_one(tmp_path):
+    path = write(tmp_path / "s.yaml", "output_dir: {}\nbase: {}\nparallel: 2\ngrid: {{seed: [0, 1, 2, 3, 4]}}\n".format(
+        tmp_path / "out", ROOT / "configs/duo_arithmetic.yaml"))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "STOP").write_text("")  # left from an earlier sweep: removed, does not stop this one
+    calls, logs = [], []
+    base, both_running = fake_executor(calls, delay=0.3), threading.Barrier(2, timeout=10)
+
+    def execute(cmd, log_path):
+        if "seed-0" in str(log_path) or "seed-1" in str(log_path):
+            both_running.wait()
+        if "seed-0" in str(log_path):  # the user asks to stop while seeds 0 and 1 are running
+            (tmp_path / "out" / "STOP").write_text("")
+        return base(cmd, log_path)
+
+    assert run_sweep(load_sweep(path), log=logs.append, execute=execute) == 1
+    assert sorted(calls) == [("seed-0", False), ("seed-1", False)]  # both finished, nothing new started
+    plan = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    assert [r["status"] for r in plan["runs"]] == ["complete", "complete", "pending", "pending", "pending"]
+    assert "3 not started: run the sweep again to continue" in logs[-1] and "stopped by" in logs[-1]
+    assert not (tmp_path / "out" / "seed-2").exists()
+    # run again: the STOP is cleared and the rest runs
+    calls.clear()
+    assert run_sweep(load_sweep(path), log=logs.append, execute=fake_executor(calls)) == 0
+    assert sorted(calls) == [("seed-2", False), ("seed-3", False), ("seed-4", False)]
+    assert not (tmp_path / "out" / "STOP").exists() and logs[-1].startswith("sweep finished: 5 of 5")
 
 
 def test_parallel_runs_each_get_their_share_of_threads(tmp_path):
