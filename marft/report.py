@@ -7,10 +7,15 @@ folders (``sweep.json`` lists the planned runs, so a run that never started is r
 Runs are grouped by their labels without the seed: a sweep's axis labels (``sweep_run.json``), or
 for other runs task, team, algorithm (``-ps`` with a shared adapter). Per group:
 
-- **final**: mean and sample standard deviation over seeds of the held-out accuracy, and a 95%
-  interval that pools every seed's problems, with the problems as the independent units (the
-  same estimator as ``marft eval`` with several samples, ``evaluate.accuracy_interval``, on the
-  problems x seeds table; with one seed, that run's own interval from ``marft eval``);
+- **final**: mean and sample standard deviation over seeds of the held-out accuracy, and two 95%
+  intervals that answer different questions. *Problems*: pools every seed's problems, with the
+  problems as the independent units (the same estimator as ``marft eval`` with several samples,
+  ``evaluate.accuracy_interval``, on the problems x seeds table; with one seed, that run's own
+  interval from ``marft eval``): how well these trained teams are measured. *Seeds*: Student's t
+  over the seeds' accuracies, the runs as the units (mean +- t(0.975, S-1) s / sqrt(S), clipped to
+  [0, 1]; needs two seeds): where another run of the same recipe may land. Algorithms compared on
+  the same problems differ by more than noise only where their seed intervals part; the problem
+  interval alone hides a recipe that succeeds with one seed and fails with the next;
 - **untrained**: the same for ``eval_untrained.json`` (the team before training, same problems),
   or, for runs that skipped it (``eval.before=false``), the final score of the group labelled
   ``algorithm: untrained`` (a ``train.iterations=0`` run) with the same other labels;
@@ -149,13 +154,38 @@ def _group_key(labels: dict[str, str]) -> tuple:
     return tuple(labels.items())
 
 
+def t_quantile_975(df: int) -> float:
+    """The 0.975 quantile of Student's t with ``df`` degrees of freedom: exact for 1 and 2, else
+    the Cornish-Fisher expansion in 1/df around the normal quantile (within 0.004 at df = 3, closer
+    above; 3.18 against the table's 3.182)."""
+    if df < 1:
+        raise ValueError(f"degrees of freedom must be at least 1, got {df}")
+    if df == 1:
+        return math.tan(0.475 * math.pi)
+    if df == 2:
+        return 0.95 / math.sqrt(2 * 0.975 * 0.025)
+    z = 1.959963984540054
+    terms = [(z**3 + z) / 4, (5 * z**5 + 16 * z**3 + 3 * z) / 96, (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384,
+             (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / 92160]
+    return z + sum(g / df ** (i + 1) for i, g in enumerate(terms))
+
+
+def seed_interval(accs: list[float]) -> list[float] | None:
+    """95% interval of the mean over seeds, the runs as the units (None for one seed)."""
+    if len(accs) < 2:
+        return None
+    mean, half = statistics.fmean(accs), t_quantile_975(len(accs) - 1) * statistics.stdev(accs) / math.sqrt(len(accs))
+    return [max(0.0, mean - half), min(1.0, mean + half)]
+
+
 def _summary(results: list[dict]) -> dict | None:
-    """Mean, std over seeds and the pooled 95% interval of a list of evaluation results."""
+    """Mean, std over seeds, the pooled (problems) and the over-seeds 95% intervals of a list of
+    evaluation results."""
     if not results:
         return None
     accs = [r["accuracy"] for r in results]
     out = {"mean": statistics.fmean(accs), "std": statistics.stdev(accs) if len(accs) > 1 else None,
-           "seeds": len(accs), "per_seed": accs}
+           "seeds": len(accs), "per_seed": accs, "ci95_seeds": seed_interval(accs)}
     per = [r.get("per_problem_success") for r in results]
     out["problems"] = len(per[0]) if per[0] else None
     if len(results) == 1:
@@ -219,12 +249,15 @@ def _pct(x) -> str:
     return "–" if x is None else f"{100 * x:.1f}"
 
 
+def _interval(ci) -> str:
+    return f"{100 * ci[0]:.1f}–{100 * ci[1]:.1f}" if ci else "–"
+
+
 def _cell(s: dict | None) -> tuple[str, str]:
     if s is None:
         return "–", "–"
     mean = f"{100 * s['mean']:.1f}" + (f" ± {100 * s['std']:.1f}" if s["std"] is not None else "")
-    ci = f"{100 * s['ci95'][0]:.1f}–{100 * s['ci95'][1]:.1f}" if s.get("ci95") else "–"
-    return mean, ci
+    return mean, _interval(s.get("ci95"))
 
 
 def to_markdown(report: dict, plots: list[str]) -> str:
@@ -232,11 +265,14 @@ def to_markdown(report: dict, plots: list[str]) -> str:
     axes = list(dict.fromkeys(k for r in rows for k in r["labels"]))
     lines = ["# marft report", "",
              f"{report['complete']} of {report['runs']} runs complete. Accuracy on held-out problems in %: mean ± "
-             "standard deviation over seeds, and the 95% interval pooled over seeds (problems as the units).",
+             "standard deviation over seeds; each seed's accuracy; the 95% interval pooled over seeds with the problems "
+             "as the units (how well these teams are measured); and the 95% interval over seeds, Student's t with the "
+             "runs as the units (where another run of the recipe may land: compare recipes by this one).",
              f"Time in the runs: {report['train_minutes'] + report['eval_minutes']:.0f} min "
              f"(training {report['train_minutes']:.0f}, evaluation {report['eval_minutes']:.0f}; the runs' own timings, "
              "summed; model loading not included).", ""]
-    head = [*axes, "runs", "untrained", "untrained 95% CI", "final", "final 95% CI", "change", "train min/run"]
+    head = [*axes, "runs", "untrained", "untrained 95% CI", "final", "per seed", "final 95% CI (problems)",
+            "final 95% CI (seeds)", "change", "train min/run"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         u, uci = _cell(r["untrained"])
@@ -244,7 +280,10 @@ def to_markdown(report: dict, plots: list[str]) -> str:
         runs = f"{r['runs_complete']}/{r['runs_planned']}" + ("" if r["runs_complete"] == r["runs_planned"] else " ⚠")
         change = "–" if r["delta"] is None else f"{100 * r['delta']:+.1f}"
         mins = "–" if r["train_minutes"] is None else f"{r['train_minutes']:.1f}"
-        lines.append("| " + " | ".join([*(r["labels"].get(a, "") for a in axes), runs, u, uci, f, fci, change, mins]) + " |")
+        per_seed = " / ".join(_pct(a) for a in r["final"]["per_seed"]) if r["final"] else "–"
+        sci = _interval(r["final"]["ci95_seeds"]) if r["final"] else "–"
+        lines.append("| " + " | ".join([*(r["labels"].get(a, "") for a in axes), runs, u, uci, f, per_seed, fci, sci,
+                                        change, mins]) + " |")
     incomplete = [(r, x) for r in rows for x in r["incomplete"]]
     if incomplete:
         lines += ["", "Runs not in the table (not complete):", ""]

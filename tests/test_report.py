@@ -7,7 +7,7 @@ import pytest
 
 from marft.cli import main
 from marft.config import load_config, save_config
-from marft.report import build_report, find_runs
+from marft.report import build_report, find_runs, seed_interval, t_quantile_975
 
 
 def make_run(folder, seed, final, untrained=None, iterations=3, metrics=None, without=None, algorithm="marft", sweep_labels=None):
@@ -66,6 +66,7 @@ def test_known_numbers_in_known_table_out(sweep_dir):
     # pooled: per-problem means over seeds 1, .5, 1, 0 -> sd .4787, se .2394, n_eff = .625 * .375 / se^2
     # = 4.091; Wilson at p .625, n 4.091: centre .5645, half-width .3423
     assert m["final"]["ci95"] == pytest.approx([0.22216, 0.90676], abs=1e-4)
+    assert m["final"]["per_seed"] == [0.5, 0.75] and m["final"]["ci95_seeds"] == [0.0, 1.0]  # see below
     assert m["untrained"]["mean"] == pytest.approx(0.25) and m["untrained"]["std"] == 0.0
     # per-problem 0, 0, 1, 0: sd .5, se .25, n_eff 3; Wilson at p .25, n 3
     assert m["untrained"]["ci95"] == pytest.approx([0.03684, 0.74391], abs=1e-4)
@@ -90,12 +91,29 @@ def png_size(path):
     return struct.unpack(">II", data[16:24])
 
 
+@pytest.mark.parametrize("df, table", [(1, 12.706), (2, 4.303), (3, 3.182), (4, 2.776), (5, 2.571), (10, 2.228), (30, 2.042)])
+def test_t_quantile_matches_the_printed_table(df, table):
+    assert t_quantile_975(df) == pytest.approx(table, abs=0.004)
+
+
+def test_seed_interval_is_students_t_over_the_runs():
+    # .6, .5, .4: mean .5, sd .1, se .1 / sqrt(3) = .057735; t(0.975, 2) = 4.3027 -> half-width .24841
+    assert seed_interval([0.6, 0.5, 0.4]) == pytest.approx([0.25159, 0.74841], abs=1e-5)
+    # one run that learned and one that did not: the interval says the recipe is a coin toss,
+    # however well each run was measured
+    lo, hi = seed_interval([0.93, 0.23, 0.90])
+    assert lo < 0.25 and hi == 1.0
+    assert seed_interval([0.7]) is None
+    assert seed_interval([0.8, 0.8, 0.8]) == pytest.approx([0.8, 0.8])
+
+
 def test_report_command_writes_markdown_json_and_plots(sweep_dir, capsys):
     out = sweep_dir / "out"
     assert main(["report", str(sweep_dir), "--out", str(out)]) == 0
     md = (out / "report.md").read_text()
-    assert "| marft | 2/2 | 25.0 ± 0.0 | 3.7–74.4 | 62.5 ± 17.7 | 22.2–90.7 | +37.5 | 3.0 |" in md
-    assert "| ippo | 1/2 ⚠ | 25.0 | 0.0–100.0 | 25.0 | 0.0–100.0 | +0.0 | 3.0 |" in md
+    # two seeds: t(0.975, 1) = 12.71 times se .125 spans all of [0, 1]
+    assert "| marft | 2/2 | 25.0 ± 0.0 | 3.7–74.4 | 62.5 ± 17.7 | 50.0 / 75.0 | 22.2–90.7 | 0.0–100.0 | +37.5 | 3.0 |" in md
+    assert "| ippo | 1/2 ⚠ | 25.0 | 0.0–100.0 | 25.0 | 25.0 | 0.0–100.0 | – | +0.0 | 3.0 |" in md
     assert f"- {sweep_dir / 'i1'} (seed 1): not started" in md
     assert f"- {sweep_dir / 'g0'} (seed 0): failed (exit 2)" in md
     assert f"- {sweep_dir / 'g1'} (seed 1): partial (2/5 iterations)" in md
