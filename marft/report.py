@@ -16,6 +16,9 @@ for other runs task, team, algorithm (``-ps`` with a shared adapter). Per group:
   [0, 1]; needs two seeds): where another run of the same recipe may land. Algorithms compared on
   the same problems differ by more than noise only where their seed intervals part; the problem
   interval alone hides a recipe that succeeds with one seed and fails with the next;
+- **differences between recipes**: for each pair of groups whose labels differ in one (an
+  algorithm against another on one team, one team size against another under one algorithm), the
+  difference of the seed means with its Welch 95% interval over seeds;
 - **untrained**: the same for ``eval_untrained.json`` (the team before training, same problems),
   or, for runs that skipped it (``eval.before=false``), the final score of the group labelled
   ``algorithm: untrained`` (a ``train.iterations=0`` run) with the same other labels;
@@ -154,20 +157,26 @@ def _group_key(labels: dict[str, str]) -> tuple:
     return tuple(labels.items())
 
 
-def t_quantile_975(df: int) -> float:
-    """The 0.975 quantile of Student's t with ``df`` degrees of freedom: exact for 1 and 2, else
-    the Cornish-Fisher expansion in 1/df around the normal quantile (within 0.004 at df = 3, closer
-    above; 3.18 against the table's 3.182)."""
-    if df < 1:
+def t_quantile_975(df: float) -> float:
+    """The 0.975 quantile of Student's t with ``df`` (>= 1, not necessarily whole) degrees of
+    freedom: bisection on the distribution function, whose density is integrated by Simpson's rule
+    (within 1e-4 of the printed tables; no scipy needed)."""
+    if not df >= 1:
         raise ValueError(f"degrees of freedom must be at least 1, got {df}")
-    if df == 1:
-        return math.tan(0.475 * math.pi)
-    if df == 2:
-        return 0.95 / math.sqrt(2 * 0.975 * 0.025)
-    z = 1.959963984540054
-    terms = [(z**3 + z) / 4, (5 * z**5 + 16 * z**3 + 3 * z) / 96, (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384,
-             (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / 92160]
-    return z + sum(g / df ** (i + 1) for i, g in enumerate(terms))
+    if df > 1e5:
+        return 1.959963984540054
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+
+    def cdf(x: float, steps: int = 1000) -> float:
+        h = x / steps
+        f = [math.exp(log_c - (df + 1) / 2 * math.log1p((k * h) ** 2 / df)) for k in range(steps + 1)]
+        return 0.5 + h / 3 * (f[0] + f[-1] + 4 * sum(f[1:-1:2]) + 2 * sum(f[2:-1:2]))
+
+    lo, hi = 1.9, 13.0  # t(0.975) falls from 12.706 at df = 1 towards 1.960
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < 0.975 else (lo, mid)
+    return (lo + hi) / 2
 
 
 def seed_interval(accs: list[float]) -> list[float] | None:
@@ -176,6 +185,43 @@ def seed_interval(accs: list[float]) -> list[float] | None:
         return None
     mean, half = statistics.fmean(accs), t_quantile_975(len(accs) - 1) * statistics.stdev(accs) / math.sqrt(len(accs))
     return [max(0.0, mean - half), min(1.0, mean + half)]
+
+
+def welch_interval(a: list[float], b: list[float]) -> list[float] | None:
+    """95% interval of mean(a) - mean(b) for two independent sets of runs (Welch: unequal
+    variances, Welch-Satterthwaite degrees of freedom), clipped to [-1, 1]; None unless both have
+    two runs."""
+    if len(a) < 2 or len(b) < 2:
+        return None
+    d = statistics.fmean(a) - statistics.fmean(b)
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    if va + vb == 0:
+        return [d, d]
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    half = t_quantile_975(max(df, 1.0)) * math.sqrt(va + vb)
+    return [max(-1.0, d - half), min(1.0, d + half)]  # two accuracies differ by at most 1
+
+
+def comparisons(rows: list[dict]) -> list[dict]:
+    """Every pair of trained groups whose labels differ in exactly one (an algorithm against
+    another on the same team, a team size against another with the same algorithm, ...), with the
+    difference of their seed means and its Welch 95% interval over seeds."""
+    out = []
+    trained = [r for r in rows if r["final"] and r["labels"].get("algorithm") != "untrained"]
+    for i, a in enumerate(trained):
+        for b in trained[i + 1:]:
+            if a["labels"].keys() != b["labels"].keys():
+                continue
+            differ = [k for k in a["labels"] if a["labels"][k] != b["labels"][k]]
+            if len(differ) != 1:
+                continue
+            accs_a, accs_b = a["final"]["per_seed"], b["final"]["per_seed"]
+            out.append({"axis": differ[0], "same": {k: v for k, v in a["labels"].items() if k != differ[0]},
+                        "a": a["labels"][differ[0]], "b": b["labels"][differ[0]],
+                        "diff": statistics.fmean(accs_a) - statistics.fmean(accs_b),
+                        "ci95": welch_interval(accs_a, accs_b), "seeds": [len(accs_a), len(accs_b)]})
+    out.sort(key=lambda c: c["axis"] != "algorithm")  # algorithms first, then the other axes
+    return out
 
 
 def _summary(results: list[dict]) -> dict | None:
@@ -241,7 +287,7 @@ def build_report(runs: list[RunInfo]) -> dict:
     # a train.iterations=0 run's final evaluation is a copy of its untrained one: count it once
     eval_s = sum((e or {}).get("seconds", 0.0) for r in runs
                  for e in (r.final, None if r.untrained == r.final else r.untrained, *r.without.values()))
-    return {"groups": rows, "runs": len(runs), "complete": sum(r.final is not None for r in runs),
+    return {"groups": rows, "comparisons": comparisons(rows), "runs": len(runs), "complete": sum(r.final is not None for r in runs),
             "train_minutes": train_s / 60, "eval_minutes": eval_s / 60}
 
 
@@ -288,6 +334,18 @@ def to_markdown(report: dict, plots: list[str]) -> str:
     if incomplete:
         lines += ["", "Runs not in the table (not complete):", ""]
         lines += [f"- {x['folder']} (seed {x['seed']}): {x['status']}" for _, x in incomplete]
+    pairs = [c for c in report.get("comparisons", []) if c["ci95"]]
+    if pairs:
+        lines += ["", "## Differences between recipes", "",
+                  "Each pair of groups whose labels differ in one: the difference of their mean held-out accuracy "
+                  "(points) and its 95% interval over seeds (Welch's t; the runs as the units). \"parted\": the "
+                  "interval excludes 0, the difference is more than run-to-run noise.", "",
+                  "| axis | same | A | B | A − B | 95% CI | parted |", "|---|---|---|---|---|---|---|"]
+        for c in pairs:
+            same = ", ".join(f"{k} {v}" for k, v in c["same"].items())
+            parted = "yes" if c["ci95"][0] > 0 or c["ci95"][1] < 0 else "no"
+            lines.append(f"| {c['axis']} | {same} | {c['a']} | {c['b']} | {100 * c['diff']:+.1f} | "
+                         f"{100 * c['ci95'][0]:+.1f} to {100 * c['ci95'][1]:+.1f} | {parted} |")
     ablations = [(r, a, v) for r in rows for a, v in r["without"].items()]
     if ablations:
         lines += ["", "## What each agent adds", "",

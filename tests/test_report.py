@@ -7,7 +7,7 @@ import pytest
 
 from marft.cli import main
 from marft.config import load_config, save_config
-from marft.report import build_report, find_runs, seed_interval, t_quantile_975
+from marft.report import build_report, comparisons, find_runs, seed_interval, t_quantile_975, welch_interval
 
 
 def make_run(folder, seed, final, untrained=None, iterations=3, metrics=None, without=None, algorithm="marft", sweep_labels=None):
@@ -91,9 +91,38 @@ def png_size(path):
     return struct.unpack(">II", data[16:24])
 
 
-@pytest.mark.parametrize("df, table", [(1, 12.706), (2, 4.303), (3, 3.182), (4, 2.776), (5, 2.571), (10, 2.228), (30, 2.042)])
+@pytest.mark.parametrize("df, table", [(1, 12.706), (2, 4.303), (3, 3.182), (4, 2.776), (5, 2.571), (10, 2.228),
+                                       (30, 2.042), (120, 1.980)])
 def test_t_quantile_matches_the_printed_table(df, table):
-    assert t_quantile_975(df) == pytest.approx(table, abs=0.004)
+    assert t_quantile_975(df) == pytest.approx(table, abs=6e-4)
+
+
+def test_t_quantile_between_whole_degrees_of_freedom_lies_between_their_quantiles():
+    assert t_quantile_975(3) < t_quantile_975(2.5) < t_quantile_975(2)
+
+
+def test_welch_interval_by_hand():
+    # means .5 and .2; each variance of the mean .01 / 3; Welch df = (2v)^2 / (2 v^2 / 2) = 4, t = 2.776
+    # half-width 2.776 * sqrt(.02 / 3) = .22667
+    assert welch_interval([0.6, 0.5, 0.4], [0.3, 0.2, 0.1]) == pytest.approx([0.07333, 0.52667], abs=1e-4)
+    assert welch_interval([0.6, 0.5], [0.3]) is None
+    assert welch_interval([0.9, 0.9], [0.5, 0.5]) == pytest.approx([0.4, 0.4])
+    assert welch_interval([0.93, 0.23], [0.3, 0.2]) == [-1.0, 1.0]  # two seeds, one of them a failure
+
+
+def test_comparisons_pair_groups_that_differ_in_one_label():
+    def row(team, algorithm, accs):
+        return {"labels": {"team": team, "algorithm": algorithm}, "final": {"per_seed": accs}}
+    rows = [row("2", "untrained", [0.3]), row("2", "marft", [0.9, 0.8, 0.85]), row("2", "ippo", [0.6, 0.5, 0.4]),
+            row("3", "marft", [0.6, 0.5, 0.4]), row("3", "ippo", [0.3, 0.2, 0.1])]
+    got = {(c["axis"], c["a"], c["b"], tuple(c["same"].values())): c for c in comparisons(rows)}
+    # the untrained team is the baseline, not a recipe; team 2 ippo and team 3 marft differ in two labels
+    assert sorted(got) == [("algorithm", "marft", "ippo", ("2",)), ("algorithm", "marft", "ippo", ("3",)),
+                           ("team", "2", "3", ("ippo",)), ("team", "2", "3", ("marft",))]
+    c = got[("algorithm", "marft", "ippo", ("3",))]
+    assert c["diff"] == pytest.approx(0.3) and c["ci95"] == pytest.approx([0.07333, 0.52667], abs=1e-4)
+    assert c["seeds"] == [3, 3]
+    assert [c["axis"] for c in comparisons(rows)][:2] == ["algorithm", "algorithm"]
 
 
 def test_seed_interval_is_students_t_over_the_runs():
