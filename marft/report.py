@@ -16,6 +16,8 @@ for other runs task, team, algorithm (``-ps`` with a shared adapter). Per group:
   [0, 1]; needs two seeds): where another run of the same recipe may land. Algorithms compared on
   the same problems differ by more than noise only where their seed intervals part; the problem
   interval alone hides a recipe that succeeds with one seed and fails with the next;
+- **each run**: its final accuracy, answer-extraction rate, and per agent the mean reply length
+  and the share of replies cut at the limit (``eval_final.json``'s ``agents``);
 - **differences between recipes**: for each pair of groups whose labels differ in one (an
   algorithm against another on one team, one team size against another under one algorithm), the
   difference of the seed means with its Welch 95% interval over seeds;
@@ -287,7 +289,13 @@ def build_report(runs: list[RunInfo]) -> dict:
     # a train.iterations=0 run's final evaluation is a copy of its untrained one: count it once
     eval_s = sum((e or {}).get("seconds", 0.0) for r in runs
                  for e in (r.final, None if r.untrained == r.final else r.untrained, *r.without.values()))
-    return {"groups": rows, "comparisons": comparisons(rows), "runs": len(runs), "complete": sum(r.final is not None for r in runs),
+    each = [{"labels": r.labels, "seed": r.seed, "accuracy": r.final["accuracy"],
+             "extraction_rate": r.final.get("extraction_rate"),
+             "agents": {a: {"mean_tokens": v.get("mean_tokens"), "truncated": v.get("truncated")}
+                        for a, v in (r.final.get("agents") or {}).items()}}
+            for r in runs if r.final is not None]
+    return {"groups": rows, "comparisons": comparisons(rows), "each_run": each,
+            "runs": len(runs), "complete": sum(r.final is not None for r in runs),
             "train_minutes": train_s / 60, "eval_minutes": eval_s / 60}
 
 
@@ -356,6 +364,19 @@ def to_markdown(report: dict, plots: list[str]) -> str:
         for r, a, v in ablations:
             lines.append("| " + " | ".join([*(r["labels"].get(x, "") for x in axes), a, _pct(v["with"]), _pct(v["without"]),
                                             f"{100 * (v['with'] - v['without']):+.1f}"]) + " |")
+    each = report.get("each_run", [])
+    if each:
+        lines += ["", "## Each run's final evaluation", "",
+                  "Accuracy, the share of episodes whose answer could be extracted (a gain that is only format shows "
+                  "here), and per agent its mean reply length in tokens / the share of its replies cut at their "
+                  "limit, in %:", "",
+                  "| " + " | ".join([*axes, "seed", "accuracy", "answer extracted", "replies: tokens / cut"]) + " |",
+                  "|" + "---|" * (len(axes) + 4)]
+        for e in each:
+            agents = ", ".join(f"{a} {v['mean_tokens']:.0f} / {100 * v['truncated']:.0f}%" for a, v in e["agents"].items()
+                               if v["mean_tokens"] is not None and v["truncated"] is not None)
+            lines.append("| " + " | ".join([*(e["labels"].get(x, "") for x in axes), str(e["seed"]), _pct(e["accuracy"]),
+                                            _pct(e["extraction_rate"]), agents or "–"]) + " |")
     if plots:
         lines += ["", "## Training curves", ""] + [f"![{p}]({p})" for p in plots]
     return "\n".join(lines) + "\n"

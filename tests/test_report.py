@@ -22,7 +22,9 @@ def make_run(folder, seed, final, untrained=None, iterations=3, metrics=None, wi
     (folder / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
 
     def result(per):
-        return {"accuracy": sum(per) / len(per), "ci95": [0.0, 1.0], "per_problem_success": per, "seconds": 30.0}
+        return {"accuracy": sum(per) / len(per), "ci95": [0.0, 1.0], "per_problem_success": per, "seconds": 30.0,
+                "extraction_rate": 0.75, "agents": {"planner": {"mean_tokens": 30.2, "truncated": 0.5},
+                                                    "solver": {"mean_tokens": 9.0, "truncated": 0.0}}}
 
     if untrained is not None:
         (folder / "eval_untrained.json").write_text(json.dumps(result(untrained)))
@@ -147,6 +149,8 @@ def test_report_command_writes_markdown_json_and_plots(sweep_dir, capsys):
     assert f"- {sweep_dir / 'g0'} (seed 0): failed (exit 2)" in md
     assert f"- {sweep_dir / 'g1'} (seed 1): partial (2/5 iterations)" in md
     assert "| marft | planner | 62.5 | 37.5 | +25.0 |" in md
+    assert "| marft | 1 | 75.0 | 75.0 | planner 30 / 50%, solver 9 / 0% |" in md  # each run's replies
+    assert "| ippo | 0 | 25.0 | 75.0 |" in md and "| grpo |" not in md.split("final evaluation")[1]
     data = json.loads((out / "report.json").read_text())
     assert len(data["groups"]) == 3
     plots = sorted(out.glob("*.png"))
