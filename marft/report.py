@@ -17,7 +17,9 @@ for other runs task, team, algorithm (``-ps`` with a shared adapter). Per group:
   the same problems differ by more than noise only where their seed intervals part; the problem
   interval alone hides a recipe that succeeds with one seed and fails with the next;
 - **each run**: its final accuracy, answer-extraction rate, and per agent the mean reply length
-  and the share of replies cut at the limit (``eval_final.json``'s ``agents``);
+  and the share of replies cut at the limit (``eval_final.json``'s ``agents``); over the trained
+  runs (not ``algorithm: untrained``), Spearman's rank correlation between the graded agent's
+  (the last answering one, whose answer decides success) share of cut replies and accuracy;
 - **differences between recipes**: for each pair of groups whose labels differ in one (an
   algorithm against another on one team, one team size against another under one algorithm), the
   difference of the seed means with its Welch 95% interval over seeds;
@@ -60,6 +62,7 @@ class RunInfo:
     untrained: dict | None = None
     without: dict[str, dict] = field(default_factory=dict)
     metrics: list[dict] = field(default_factory=list)
+    graded: str | None = None  # the last answering agent (its answer decides success), from config.yaml
 
 
 def _read_json(path: Path):
@@ -80,9 +83,11 @@ def _metrics(path: Path) -> list[dict]:
     return out
 
 
-def _labels_from_config(folder: Path) -> tuple[dict[str, str], str, int]:
-    """Labels of a run outside a sweep, its seed and planned iterations, from its config.yaml."""
+def _labels_from_config(folder: Path) -> tuple[dict[str, str], str, int, str]:
+    """Labels of a run outside a sweep, its seed, planned iterations and graded agent, from its
+    config.yaml."""
     from .config import load_config
+    from .team import build_team
 
     cfg = load_config(folder / "config.yaml", [f"output_dir={folder}"])
     t = cfg.task
@@ -91,25 +96,25 @@ def _labels_from_config(folder: Path) -> tuple[dict[str, str], str, int]:
     algo = cfg.train.algorithm + ("-ps" if cfg.team.share_adapter else "")
     if cfg.train.iterations == 0:
         algo = "untrained"
-    return {"task": task, "team": team, "algorithm": algo}, str(cfg.seed), cfg.train.iterations
+    return {"task": task, "team": team, "algorithm": algo}, str(cfg.seed), cfg.train.iterations, build_team(cfg.team).answering[-1]
 
 
 def _load_run(folder: Path, labels: dict | None, status: str | None) -> RunInfo:
-    planned_iters = None
+    planned_iters = graded = None
     seed = None
     if labels is not None:
         labels = dict(labels)
         seed = labels.pop("seed", None)
     if (folder / "config.yaml").is_file():
         try:
-            derived, cfg_seed, planned_iters = _labels_from_config(folder)
+            derived, cfg_seed, planned_iters, graded = _labels_from_config(folder)
         except UserError:
             derived, cfg_seed = {"run": folder.name}, "?"
         labels = labels if labels is not None else derived
         seed = seed if seed is not None else cfg_seed
     elif labels is None:
         labels = {"run": folder.name}
-    run = RunInfo(folder, labels, seed if seed is not None else "?", "missing")
+    run = RunInfo(folder, labels, seed if seed is not None else "?", "missing", graded=graded)
     if not folder.is_dir():
         run.status = "not started" if not status or status == "pending" else f"missing (the sweep recorded: {status})"
         return run
@@ -204,6 +209,26 @@ def welch_interval(a: list[float], b: list[float]) -> list[float] | None:
     return [max(-1.0, d - half), min(1.0, d + half)]  # two accuracies differ by at most 1
 
 
+def spearman(x: list[float], y: list[float]) -> float | None:
+    """Spearman's rank correlation: Pearson's r of the ranks, tied values sharing their mean rank.
+    None with fewer than three pairs or where either side is constant."""
+    def ranks(v):
+        order = sorted(range(len(v)), key=v.__getitem__)
+        out = [0.0] * len(v)
+        i = 0
+        while i < len(v):
+            j = i
+            while j + 1 < len(v) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2 + 1
+            i = j + 1
+        return out
+    if len(x) < 3 or len(set(x)) < 2 or len(set(y)) < 2:
+        return None
+    return statistics.correlation(ranks(x), ranks(y))
+
+
 def comparisons(rows: list[dict]) -> list[dict]:
     """Every pair of trained groups whose labels differ in exactly one (an algorithm against
     another on the same team, a team size against another with the same algorithm, ...), with the
@@ -290,11 +315,15 @@ def build_report(runs: list[RunInfo]) -> dict:
     eval_s = sum((e or {}).get("seconds", 0.0) for r in runs
                  for e in (r.final, None if r.untrained == r.final else r.untrained, *r.without.values()))
     each = [{"labels": r.labels, "seed": r.seed, "accuracy": r.final["accuracy"],
-             "extraction_rate": r.final.get("extraction_rate"),
+             "extraction_rate": r.final.get("extraction_rate"), "graded": r.graded,
              "agents": {a: {"mean_tokens": v.get("mean_tokens"), "truncated": v.get("truncated")}
                         for a, v in (r.final.get("agents") or {}).items()}}
             for r in runs if r.final is not None]
-    return {"groups": rows, "comparisons": comparisons(rows), "each_run": each,
+    pairs = [(e["agents"][e["graded"]]["truncated"], e["accuracy"]) for e in each
+             if e["labels"].get("algorithm") != "untrained" and e["graded"] in e["agents"]
+             and e["agents"][e["graded"]].get("truncated") is not None]
+    cut = {"runs": len(pairs), "spearman": spearman(*map(list, zip(*pairs))) if pairs else None}
+    return {"groups": rows, "comparisons": comparisons(rows), "each_run": each, "graded_cut_vs_accuracy": cut,
             "runs": len(runs), "complete": sum(r.final is not None for r in runs),
             "train_minutes": train_s / 60, "eval_minutes": eval_s / 60}
 
@@ -377,6 +406,10 @@ def to_markdown(report: dict, plots: list[str]) -> str:
                                if v["mean_tokens"] is not None and v["truncated"] is not None)
             lines.append("| " + " | ".join([*(e["labels"].get(x, "") for x in axes), str(e["seed"]), _pct(e["accuracy"]),
                                             _pct(e["extraction_rate"]), agents or "–"]) + " |")
+        cut = report.get("graded_cut_vs_accuracy") or {}
+        if cut.get("spearman") is not None:
+            lines += ["", f"Over the {cut['runs']} trained runs, Spearman's rank correlation between the graded agent's "
+                      f"share of replies cut at its limit and the team's accuracy: {cut['spearman']:+.2f}."]
     if plots:
         lines += ["", "## Training curves", ""] + [f"![{p}]({p})" for p in plots]
     return "\n".join(lines) + "\n"

@@ -7,10 +7,11 @@ import pytest
 
 from marft.cli import main
 from marft.config import load_config, save_config
-from marft.report import build_report, comparisons, find_runs, seed_interval, t_quantile_975, welch_interval
+from marft.report import build_report, comparisons, find_runs, seed_interval, spearman, t_quantile_975, welch_interval
 
 
-def make_run(folder, seed, final, untrained=None, iterations=3, metrics=None, without=None, algorithm="marft", sweep_labels=None):
+def make_run(folder, seed, final, untrained=None, iterations=3, metrics=None, without=None, algorithm="marft", sweep_labels=None,
+             solver_cut=0.0):
     folder.mkdir(parents=True)
     save_config(load_config("configs/duo_arithmetic.yaml", [f"seed={seed}", f"train.iterations={iterations}",
                                                             f"train.algorithm={algorithm}", f"output_dir={folder}"]),
@@ -24,7 +25,7 @@ def make_run(folder, seed, final, untrained=None, iterations=3, metrics=None, wi
     def result(per):
         return {"accuracy": sum(per) / len(per), "ci95": [0.0, 1.0], "per_problem_success": per, "seconds": 30.0,
                 "extraction_rate": 0.75, "agents": {"planner": {"mean_tokens": 30.2, "truncated": 0.5},
-                                                    "solver": {"mean_tokens": 9.0, "truncated": 0.0}}}
+                                                    "solver": {"mean_tokens": 9.0, "truncated": solver_cut}}}
 
     if untrained is not None:
         (folder / "eval_untrained.json").write_text(json.dumps(result(untrained)))
@@ -169,6 +170,28 @@ def test_runs_outside_a_sweep_are_labelled_from_their_config(tmp_path):
     assert rows["marft"]["labels"] == {"task": "basic_arithmetic", "team": "duo", "algorithm": "marft"}
     assert rows["marft"]["final"]["mean"] == pytest.approx(0.375) and rows["marft"]["runs_complete"] == 2
     assert rows["grpo"]["final"]["mean"] == 1.0
+
+
+def test_spearman_by_hand():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [9, 1, 0, -5]) == pytest.approx(-1.0)  # monotone, not linear: still -1
+    # ties share their mean rank: x ranks 1.5 1.5 3 4, y ranks 1 3 2 4; about the mean 2.5 the
+    # products sum to 3.0, the squares to 4.5 and 5.0: r = 3 / sqrt(22.5)
+    assert spearman([0, 0, 1, 2], [1, 3, 2, 4]) == pytest.approx(3 / 22.5 ** 0.5)
+    assert spearman([1, 2], [1, 2]) is None and spearman([1, 1, 1], [1, 2, 3]) is None
+
+
+def test_graded_agents_cut_share_against_accuracy_over_trained_runs(tmp_path):
+    # the duo's graded agent is the solver; the untrained run (cut 1.0, accuracy 0) is left out,
+    # else it would pull the correlation to -1 by itself
+    make_run(tmp_path / "u", 0, final=[0, 0, 0, 0], iterations=0, metrics=[], solver_cut=1.0)
+    make_run(tmp_path / "a", 0, final=[1, 1, 1, 0], solver_cut=0.0)
+    make_run(tmp_path / "b", 1, final=[1, 1, 0, 0], solver_cut=0.5)
+    make_run(tmp_path / "c", 2, final=[1, 0, 0, 0], solver_cut=0.2)
+    report = build_report(find_runs([str(tmp_path)]))
+    assert {e["graded"] for e in report["each_run"]} == {"solver"}
+    cut = report["graded_cut_vs_accuracy"]
+    assert cut["runs"] == 3 and cut["spearman"] == pytest.approx(-0.5)  # ranks (1, 3, 2) against (3, 2, 1)
 
 
 def test_report_of_nothing_is_a_user_error(tmp_path, capsys):
