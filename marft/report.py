@@ -212,18 +212,8 @@ def welch_interval(a: list[float], b: list[float]) -> list[float] | None:
 def spearman(x: list[float], y: list[float]) -> float | None:
     """Spearman's rank correlation: Pearson's r of the ranks, tied values sharing their mean rank.
     None with fewer than three pairs or where either side is constant."""
-    def ranks(v):
-        order = sorted(range(len(v)), key=v.__getitem__)
-        out = [0.0] * len(v)
-        i = 0
-        while i < len(v):
-            j = i
-            while j + 1 < len(v) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                out[order[k]] = (i + j) / 2 + 1
-            i = j + 1
-        return out
+    def ranks(v):  # values below w, then the mean of the ranks the ties of w share
+        return [sum(u < w for u in v) + (sum(u == w for u in v) + 1) / 2 for w in v]
     if len(x) < 3 or len(set(x)) < 2 or len(set(y)) < 2:
         return None
     return statistics.correlation(ranks(x), ranks(y))
