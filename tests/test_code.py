@@ -187,7 +187,7 @@ def _canonical_pass_rate(problems) -> tuple[float, list]:
     return 1 - len(failing) / len(problems), failing
 
 
-@pytest.mark.skipif(not MBPP.exists(), reason=f"MBPP data not found at {MBPP} (see ../shared/data/README.md)")
+@pytest.mark.skipif(not MBPP.exists(), reason=f"{MBPP} is absent (benchmark data from ../shared/data, beside the checkout; see its README.md)")
 def test_mbpp_canonical_solutions_pass_and_wrong_ones_fail():
     problems = list(load_mbpp(str(MBPP)).values())
     rate, failing = _canonical_pass_rate(problems)

@@ -304,7 +304,7 @@ def test_config_keys_and_validation(data_file, rewards):
     assert (cfg.task.kind, cfg.task.dataset, cfg.task.dataset_config) == ("dataset", "openai/gsm8k", "main")
 
 
-@pytest.mark.skipif(not (DATA / "gsm8k" / "train.json").is_file(), reason="needs ../shared/data/gsm8k")
+@pytest.mark.skipif(not (DATA / "gsm8k" / "train.json").is_file(), reason=f"{DATA / 'gsm8k' / 'train.json'} is absent (benchmark data from ../shared/data, beside the checkout)")
 def test_local_gsm8k_folder_with_the_shipped_reward():
     from marft.api import env_factory
     from marft.team import build_team

@@ -207,7 +207,7 @@ def test_math_env_rereads_a_changed_file(tmp_path):
 
 
 @pytest.mark.skipif(not (DATA / "gsm8k" / "test.json").exists(),
-                    reason=f"benchmark data not found at {DATA / 'gsm8k' / 'test.json'}")
+                    reason=f"{DATA / 'gsm8k' / 'test.json'} is absent (benchmark data from ../shared/data, beside the checkout)")
 def test_gsm8k_gold_answers_grade_correct():
     env = MathEnv(agents=["s"], answering=["s"], horizon=1, test_path=str(DATA / "gsm8k" / "test.json"))
     assert env.num_problems("test") == 1319

@@ -24,10 +24,10 @@ class Faulty(TurnBasedEnv):
     """Problem i; grading problem 1 raises, problem 2 loops forever, problem 3 sleeps (or what
     the options say); the others are graded normally (reward 1 for a reply starting with a vowel)."""
     def __init__(self, agents, answering, horizon=1, raise_on=(1,), loop_on=(2,), sleep_on=(), reset_raise_on=(),
-                 all_raise=False):
+                 all_raise=False, log=""):
         super().__init__(agents, answering, horizon)
         self.raise_on, self.loop_on, self.sleep_on = set(raise_on), set(loop_on), set(sleep_on)
-        self.reset_raise_on, self.all_raise = set(reset_raise_on), all_raise
+        self.reset_raise_on, self.all_raise, self.log = set(reset_raise_on), all_raise, log
     def new_problem(self, rng, split, index):
         i = index if index is not None else rng.randrange(8)
         if i in self.reset_raise_on:
@@ -35,6 +35,9 @@ class Faulty(TurnBasedEnv):
         return Problem(f"Say a word ({i}).", i)
     def grade(self, problem, reply):
         i = problem.answer
+        if self.log:  # when each grading began: "problem monotonic-time", one line each
+            with open(self.log, "a") as f:
+                f.write(f"{i} {time.monotonic()}\\n")
         if self.all_raise or i in self.raise_on:
             raise ValueError(f"reward function broke on problem {i}")
         if i in self.loop_on:
@@ -76,7 +79,8 @@ def play(cfg, team, models, make_env, n=8):
 
 @pytest.mark.parametrize("cls", ["Faulty", "ConcurrentFaulty"])
 def test_raising_and_hanging_episodes_fail_alone(tiny_model_dir, env_file, tmp_path, cls):
-    opts = "{raise_on: [1], loop_on: [2], sleep_on: [3]}"
+    log = tmp_path / "graded.txt"
+    opts = f"{{raise_on: [1], loop_on: [2], sleep_on: [3], log: '{log}'}}"
     cfg, team, models, make_env = setup(overrides(tiny_model_dir, env_file, tmp_path, cls, opts))
     threads_before = threading.active_count()
     t0 = time.monotonic()
@@ -91,8 +95,18 @@ def test_raising_and_hanging_episodes_fail_alone(tiny_model_dir, env_file, tmp_p
     for row, e in enumerate(solver.episodes.tolist()):
         if e not in (1, 2, 3):
             assert out.rewards[e, 0] == float(solver.texts[row].strip()[:1].lower() in tuple("aeiou"))
-    # bounded: the loop and the 60 s sleep cost one timeout each (one at a time) or one in all (concurrent)
-    assert took < (2 * 1.5 + 20 if cls == "Faulty" else 1.5 + 20)
+    # The timeouts, measured where they happen: when each episode's grading began. One at a time, the
+    # loop (problem 2) holds the next episode back for its whole timeout, and so does the 60 s sleep
+    # (problem 3): two timeouts in turn. Concurrent, every grading begins before the first timeout
+    # ends: one timeout in all. (Whatever the machine's speed: only the timeout itself separates them.)
+    began = dict(map(float, line.split()) for line in log.read_text().splitlines())
+    assert sorted(began) == [0, 1, 2, 3, 4, 5, 6, 7]  # each episode graded once
+    gaps = [began[i + 1] - began[i] for i in range(7)]
+    if cls == "Faulty":
+        assert gaps[2] > 0.9 * 1.5 and gaps[3] > 0.9 * 1.5, gaps  # 3 began after 2 timed out, 4 after 3 did
+    else:
+        assert max(began.values()) - min(began.values()) < 1.5 / 2, gaps  # all eight at once
+    assert took < 2 * 1.5 + 20  # and bounded
     # the looping thread was stopped (the sleeping one stops when its sleep ends)
     deadline = time.monotonic() + 5
     while threading.active_count() > threads_before + 1 and time.monotonic() < deadline:

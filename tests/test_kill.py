@@ -1,7 +1,9 @@
 """Killed runs: ``marft train`` killed with SIGKILL during generation, during a policy update, and at
 three moments of a checkpoint write (adapters half written, before the rename, before ``latest``
-moves), and at random moments, resumes from its last complete checkpoint and ends with the same
-metrics, weights and evaluation as a run that was never interrupted. SIGINT stops after writing a
+moves), and at random moments of its iterations (each kill timed from the run's progress and the
+uninterrupted run's measured speed, and required to hit a run still going), resumes from its last
+complete checkpoint and ends with the same metrics, weights and evaluation as a run that was never
+interrupted. SIGINT stops after writing a
 checkpoint, and so does SIGTERM. Every run here is a separate process on the tiny model with one thread, so that the
 runs compared are computed the same way."""
 import json
@@ -51,8 +53,12 @@ def kill_at(fn, nth=1, after=False, when=lambda *a, **k: True):
 
 if where == "generation":  # the second agent's turn of the rollout
     R.generate = kill_at(R.generate, nth=2)
-elif where == "update":  # the second micro-batch of the policy update, after an optimiser step
-    T.Trainer._accumulate = kill_at(T.Trainer._accumulate, nth=3)
+elif where == "update":  # the third minibatch's forward and backward of the update, after an optimiser step
+    try:
+        from marft.learner import AdapterLearner
+        AdapterLearner.accumulate = kill_at(AdapterLearner.accumulate, nth=3)
+    except ImportError:  # before marft/learner.py
+        T.Trainer._accumulate = kill_at(T.Trainer._accumulate, nth=3)
 elif where == "adapters":  # the checkpoint's adapters are written, trainer.pt is not
     M.TeamModel.save_adapters = kill_at(M.TeamModel.save_adapters, after=True)
 elif where == "rename":  # the checkpoint is complete in its temporary folder, not yet renamed
@@ -75,8 +81,21 @@ def setup(tiny_model_dir, vowel_env_path, tmp_path_factory):
             "train.lr=1e-2", "train.minibatch_size=4", "train.micro_batch_size=2", "train.save_every=1",
             f"train.iterations={ITERATIONS}"]
     straight = folder / "straight"
-    assert marft("train", "configs/duo_arithmetic.yaml", *over, f"output_dir={straight}").returncode == 0
-    return folder, over, straight
+    # the uninterrupted run, and how long its iterations take on this machine now (when each checkpoint appeared)
+    log = folder / "straight.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "marft.cli", "train", "configs/duo_arithmetic.yaml", *over,
+                                 f"output_dir={straight}"], cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=err)
+    seen = {}
+    while proc.poll() is None:
+        for k in range(1, ITERATIONS + 1):
+            if k not in seen and (straight / "checkpoints" / f"iter_{k:06d}").is_dir():
+                seen[k] = time.monotonic()
+        time.sleep(0.005)
+    assert proc.returncode == 0, log.read_text()[-2000:]
+    assert sorted(seen) == list(range(1, ITERATIONS + 1))
+    iteration_s = min(seen[k + 1] - seen[k] for k in range(1, ITERATIONS))
+    return folder, over, straight, iteration_s
 
 
 def env():
@@ -110,7 +129,7 @@ def assert_same_run(a: Path, b: Path):
     ("generation", 1, None),  # before the first checkpoint: resume says so, a fresh start recovers
 ])
 def test_killed_run_resumes_to_the_same_result(setup, where, at, resumes_from):
-    folder, over, straight = setup
+    folder, over, straight, _ = setup
     run = folder / f"killed_{where}_{at}"
     r = marft("train", "configs/duo_arithmetic.yaml", *over, f"output_dir={run}", driver=folder / "driver.py", kill=[where, str(at)])
     assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
@@ -129,43 +148,69 @@ def test_killed_run_resumes_to_the_same_result(setup, where, at, resumes_from):
 
 
 def test_killed_at_random_moments_resumes_to_the_same_result(setup):
-    """Three kills at random times of one run (whatever it was doing), each followed by a resume."""
-    folder, over, straight = setup
+    """Three SIGKILLs, each at a random moment of a training iteration (generating, updating or
+    writing a checkpoint, whatever it was doing then) of a run that is still going: the first
+    after the first checkpoint appears, the others after the resumed run says where it continues,
+    each a random fraction of the uninterrupted run's shortest iteration later. Every kill must hit
+    a live process before its end (exit -9, no final evaluation yet), every resume must continue
+    from the checkpoint the kill left, and the run must end as the uninterrupted one did."""
+    folder, over, straight, iteration_s = setup
     run = folder / "killed_random"
     rng = random.Random(int(os.environ.get("MARFT_KILL_SEED", "0")))
-    for _ in range(3):
+    for kill in range(3):
         last = latest_checkpoint(run)
+        if last is not None and last.name == f"iter_{ITERATIONS:06d}":  # only the final evaluation is left:
+            assert kill >= 2  # no iteration to kill in (a machine much faster now than when it was measured)
+            break
         args = ["train", "--resume", str(run)] if last else ["train", "configs/duo_arithmetic.yaml", *over, f"output_dir={run}"]
-        proc = subprocess.Popen([sys.executable, "-m", "marft.cli", *args], cwd=ROOT, env=env(),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(rng.uniform(3.0, 12.0))
+        log = folder / f"killed_random_{kill}.log"
+        with open(log, "w") as err:
+            proc = subprocess.Popen([sys.executable, "-m", "marft.cli", *args], cwd=ROOT, env=env(),
+                                    stdout=subprocess.DEVNULL, stderr=err)
+        # the mark: a fresh run's first checkpoint; a resumed run's line saying where it continues
+        # (at least one iteration and the final evaluation are still to come after either)
+        resumed = f"resumed {run} at iteration {int(last.name[5:])} from {last.name}" if last else None
+        reached = (lambda: resumed in log.read_text()) if last else (lambda: latest_checkpoint(run) is not None)
+        deadline = time.monotonic() + 300
+        while not reached() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert reached(), f"kill {kill}: the run ended (exit {proc.poll()}) before its mark: {log.read_text()[-2000:]}"
+        time.sleep(rng.uniform(0.0, 0.75) * iteration_s)
+        assert proc.poll() is None, f"kill {kill}: the run ended before the kill: {log.read_text()[-2000:]}"
         proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        assert proc.wait() == -signal.SIGKILL
+        assert not (run / "eval_final.json").exists()  # killed in the middle, not after the end
+        if last:  # it got past where it continued from before dying
+            assert int(latest_checkpoint(run).name[5:]) >= int(last.name[5:])
     last = latest_checkpoint(run)
-    args = ["train", "--resume", str(run)] if last else ["train", "configs/duo_arithmetic.yaml", *over, f"output_dir={run}"]
-    r = marft(*args)
+    assert last is not None and int(last.name[5:]) >= 1
+    r = marft("train", "--resume", str(run))
     assert r.returncode == 0, r.stderr[-2000:]
+    assert f"resumed {run} at iteration {int(last.name[5:])} from {last.name}" in r.stderr
     assert_same_run(straight, run)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
 def test_sigint_or_sigterm_stops_after_writing_a_checkpoint(setup, sig):
     """Ctrl-C, and SIGTERM (what SLURM, Kubernetes and ``timeout`` send before a kill), alike."""
-    folder, over, straight = setup
+    folder, over, straight, _ = setup
     run = folder / f"interrupted-{sig.name}"
     proc = subprocess.Popen([sys.executable, "-m", "marft.cli", "train", "configs/duo_arithmetic.yaml", *over,
                              f"output_dir={run}"], cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = run / "metrics.jsonl"
     deadline = time.monotonic() + 300
-    while not (metrics.is_file() and metrics.read_text().strip()) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    while not (metrics.is_file() and metrics.read_text().strip()) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert proc.poll() is None, "the run ended before the signal"  # the signal must reach a run in progress
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=300)
     done = len(metrics.read_text().splitlines())
-    if done < ITERATIONS:  # stopped early: the iteration in progress was finished and saved
-        assert proc.returncode == 130, err[-2000:]
-        assert f"continue with: marft train --resume {run}" in err and "Traceback" not in err
-        assert latest_checkpoint(run).name == f"iter_{done:06d}"
-        r = marft("train", "--resume", str(run))
-        assert r.returncode == 0, r.stderr[-2000:]
+    # it stopped early: the iteration in progress was finished and saved, and the rest not run
+    assert 1 <= done < ITERATIONS, err[-2000:]
+    assert proc.returncode == 130, err[-2000:]
+    assert f"continue with: marft train --resume {run}" in err and "Traceback" not in err
+    assert latest_checkpoint(run).name == f"iter_{done:06d}" and not (run / "eval_final.json").exists()
+    r = marft("train", "--resume", str(run))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"resumed {run} at iteration {done} from iter_{done:06d}" in r.stderr
     assert_same_run(straight, run)

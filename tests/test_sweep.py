@@ -1,6 +1,7 @@
 """``marft sweep``: grids expand to one run each (grids unioned), every run's config is checked
 before anything runs, complete runs are skipped, checkpointed ones resumed, failed ones recorded
-and retried; and a real two-run sweep on the tiny model, interrupted and run again, finishes."""
+and retried; and a real two-run sweep on the tiny model, killed while a run holds a checkpoint and run
+again, resumes that run from its checkpoint and ends as an uninterrupted sweep does."""
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from marft.checkpoints import latest_checkpoint
 from marft.cli import main
 from marft.errors import UserError
 from marft.sweep import load_sweep, run_sweep
@@ -156,14 +158,13 @@ def test_parallel_runs_each_get_their_share_of_threads(tmp_path):
     assert seen == [f"threads={max(1, (os.cpu_count() or 1) // 2)}"] * 4
 
 
-def test_real_sweep_killed_and_run_again_finishes(tiny_model_dir, vowel_env_path, tmp_path):
-    env = vowel_env_path
-    out = tmp_path / "out"
-    path = write(tmp_path / "s.yaml", f"""
+REAL_SWEEP = """
 output_dir: {out}
-base: {ROOT / 'configs/duo_arithmetic.yaml'}
+base: {base}
+parallel: {parallel}
+threads: 1
 overrides:
-  model.name: {tiny_model_dir}
+  model.name: {model}
   model.dtype: float32
   model.device: cpu
   task.kind: custom
@@ -173,28 +174,68 @@ overrides:
   rollout.episodes: 8
   eval.problems: 2
   train.minibatch_size: 4
-  train.iterations: 2
+  train.iterations: 3
   train.save_every: 1
 grid:
   algorithm: {{marft: {{train.algorithm: marft}}, grpo: {{train.algorithm: grpo}}}}
-""")
+"""
+
+
+def comparable(path):
+    """A run's metrics.jsonl without its times and speeds."""
+    return [{k: v for k, v in json.loads(line).items() if k not in ("seconds", "tokens_per_s") and not k.endswith("_s")
+             and not k.startswith(("mfu/", "machine/"))} for line in path.read_text().splitlines()]
+
+
+def test_real_sweep_killed_while_a_run_holds_a_checkpoint_resumes_that_run(tiny_model_dir, vowel_env_path, tmp_path):
+    """A real two-run sweep, SIGKILLed (the sweep and its run) while its first run holds a checkpoint
+    of iteration 1 of 3, and run again: that run continues from its checkpoint (the log says so, and
+    its metrics.jsonl keeps the iteration done before the kill, wall times and all), the other starts,
+    and the finished sweep equals an uninterrupted one (two runs at a time: each is its own process
+    with one thread), metrics, weights and evaluation. A third time, nothing runs."""
+    write_sweep = lambda name, parallel: write(tmp_path / f"{name}.yaml", REAL_SWEEP.format(  # noqa: E731
+        out=tmp_path / name, base=ROOT / "configs/duo_arithmetic.yaml", parallel=parallel, model=tiny_model_dir, env=vowel_env_path))
     envvars = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    sweep = lambda path: subprocess.run([sys.executable, "-m", "marft.cli", "sweep", str(path)], cwd=ROOT, env=envvars,  # noqa: E731
+                                        capture_output=True, text=True, timeout=600)
+    r = sweep(write_sweep("straight", 2))
+    assert r.returncode == 0, r.stderr[-2000:]
+
+    path, out = write_sweep("out", 1), tmp_path / "out"
+    first = out / "algorithm-marft"
     proc = subprocess.Popen([sys.executable, "-m", "marft.cli", "sweep", str(path)], cwd=ROOT, env=envvars,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    first = out / "algorithm-marft" / "eval_final.json"
     deadline = time.monotonic() + 300
-    while not first.is_file() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert first.is_file()
+    while latest_checkpoint(first) is None and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert proc.poll() is None, "the sweep ended before its first run wrote a checkpoint"
     os.killpg(proc.pid, signal.SIGKILL)  # the sweep and the run it had started
-    proc.wait()
-    before = first.stat().st_mtime_ns
-    r = subprocess.run([sys.executable, "-m", "marft.cli", "sweep", str(path)], cwd=ROOT, env=envvars,
-                       capture_output=True, text=True, timeout=600)
+    assert proc.wait() == -signal.SIGKILL
+    assert latest_checkpoint(first).name == "iter_000001" and not (first / "eval_final.json").exists()
+    before = (first / "metrics.jsonl").read_text().splitlines()
+    assert len(before) == 1  # iteration 1 of 3 done, with its wall times
+    assert not (out / "algorithm-grpo" / "checkpoints").exists()
+
+    r = sweep(path)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "2 runs, 1 complete, 1 to run" in r.stderr
-    assert first.stat().st_mtime_ns == before  # the complete run was not touched
-    assert (out / "algorithm-grpo" / "eval_final.json").is_file()
+    assert "2 runs, 0 complete, 2 to run" in r.stderr
+    assert "resuming algorithm-marft" in r.stderr and "starting algorithm-grpo" in r.stderr
+    assert f"resumed {first} at iteration 1 from iter_000001" in (first / "log.txt").read_text()
+    assert (first / "metrics.jsonl").read_text().splitlines()[0] == before[0]  # kept, not run again
+    for run in ("algorithm-marft", "algorithm-grpo"):
+        a, b = tmp_path / "straight" / run, out / run
+        assert comparable(a / "metrics.jsonl") == comparable(b / "metrics.jsonl"), run
+        ca, cb = latest_checkpoint(a), latest_checkpoint(b)
+        assert ca.name == cb.name == "iter_000003"
+        weights = sorted(ca.rglob("*.safetensors"))
+        assert weights and all(f.read_bytes() == (cb / f.relative_to(ca)).read_bytes() for f in weights), run
+        ev = lambda d: json.loads((d / "eval_final.json").read_text())["per_problem_success"]  # noqa: E731
+        assert ev(a) == ev(b), run
+
+    done = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != "sweep.json"}
+    r = sweep(path)
+    assert r.returncode == 0 and "2 runs, 2 complete, 0 to run" in r.stderr, r.stderr[-2000:]
+    assert done == {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != "sweep.json"}
     assert main(["report", str(out)]) == 0
     report = json.loads((out / "report" / "report.json").read_text())
     assert sorted(g["labels"]["algorithm"] for g in report["groups"]) == ["grpo", "marft"]
