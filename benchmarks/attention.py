@@ -26,6 +26,7 @@ from marft import packing  # noqa: E402
 from marft.attention import attention as marft_attention  # noqa: E402
 from marft.api import prepare  # noqa: E402
 from marft.config import load_config  # noqa: E402
+from marft.learner import PolicyBatch  # noqa: E402
 from marft.trainer import Trainer  # noqa: E402
 
 from common import CONFIG, PINNED  # noqa: E402
@@ -73,13 +74,15 @@ def learner() -> None:
     team, models, make_env = prepare(cfg)
     tr = Trainer(cfg, team, models, make_env, log=lambda m: None)
     out = tr._rollout(0)
-    tr._rows = [packing.unpad(t.prompt_ids, t.prompt_mask, t.response_ids, t.response_mask) for t in out.turns]
     agent = team.names[-1]
     rows = [(i, r) for i, t in enumerate(out.turns) if t.agent == agent for r in range(len(t.episodes))]
+    learner = tr.policy_learners[team[agent].adapter]
+    batch = PolicyBatch.of(out.turns, [torch.zeros(len(t.episodes)) for t in out.turns], rows, [rows])  # no loss here
+    packed = batch.packed_rows()
     for p in models.adapter_parameters(team[agent].adapter):
         p.requires_grad_(True)
-    mbs = tr._micro_batches(out, rows)
-    tokens = sum(tr._rows[i][r].length for i, r in rows)
+    mbs = learner._micro_batches(batch, batch.rows)
+    tokens = sum(packed[i][r].length for i, r in batch.rows)
 
     weights = {p.untyped_storage().data_ptr() for p in tr._base().parameters()}
 
@@ -91,7 +94,7 @@ def learner() -> None:
             return t
         with models.acting(agent) as (model, _), torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
             for mb in mbs:
-                lp, ent = tr._logprobs(model, out, mb, True)
+                lp, ent = learner._logprobs(model, batch, mb, True)
                 (1e-3 * lp.sum() + ent).backward()
 
     times: dict[str, list[float]] = {k: [] for k in CHOICES}
@@ -102,7 +105,7 @@ def learner() -> None:
         s: dict = {}
         mbs_all, mbs[:] = list(mbs), mbs[:1]
         passes(s)
-        saved_mb[name] = sum(s.values()) / sum(tr._rows[i][r].length for mb in mbs for i, r in mb) / 2**20
+        saved_mb[name] = sum(s.values()) / sum(packed[i][r].length for mb in mbs for i, r in mb) / 2**20
         mbs[:] = mbs_all
     for _ in range(3):
         for name, impl in CHOICES.items():

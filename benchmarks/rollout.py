@@ -3,8 +3,10 @@
 
     .venv/bin/python benchmarks/rollout.py                 # default duo, 64 episodes, 2 threads
     .venv/bin/python benchmarks/rollout.py --episodes 16   # a quicker smoke run
+    python3 benchmarks/rollout.py --episodes 128 --threads 8 model.name=DIR model.device=cuda rollout.max_new_tokens=256
 
-Rows (each after a warm-up of its own path):
+Rows (each after a warm-up of its own path; on a GPU the new path is the static decode loop with
+a CUDA graph, beside it without the graph, and the old path is left out):
 - marft rollout, new path: ``generate``'s defaults (shared prompt prefix prefilled once, finished
   rows leave the batch, KV cache with room reserved);
 - marft rollout, old path: ``compact=False, share_prefix=False, preallocate=False``;
@@ -23,6 +25,7 @@ job's config does. Sampling differs between runs (bf16 rounding), so token count
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -35,14 +38,18 @@ import marft.engines.hf as hf_engine  # noqa: E402
 import marft.rollout as rollout_module  # noqa: E402
 from marft.api import prepare  # noqa: E402
 from marft.config import load_config  # noqa: E402
-from marft.flops import matmul_rate, model_shape  # noqa: E402
+from marft.flops import machine_rate, model_shape, rate_label  # noqa: E402
 from marft.generation import Sampling, encode_chats, generate, needed_work  # noqa: E402
 from marft.models import stop_token_ids  # noqa: E402
 
 from common import CONFIG, PINNED, cpu_name  # noqa: E402
 
 PATHS = [("marft rollout, new path", {}),
-         ("marft rollout, old path", {"compact": False, "share_prefix": False, "preallocate": False})]
+         ("marft rollout, old path", {"compact": False, "share_prefix": False, "preallocate": False, "static": False})]
+# on a GPU the new path is the static decode loop with its step replayed as a CUDA graph, beside it
+# without the graph (benchmarks/decode.py has the other variants, at fewer tokens)
+GPU_PATHS = [("marft rollout, new path (static loop + CUDA graph)", {}),
+             ("marft rollout, static loop without a CUDA graph", {"graphs": False})]
 
 
 def play(setup, resets, flags: dict, seed: int):
@@ -64,8 +71,9 @@ def play(setup, resets, flags: dict, seed: int):
     return out, calls
 
 
-def hf_generate(models, agent: str, chats, sampling: Sampling):
-    """transformers' ``generate`` on one agent's prompts; returns (seconds, prompt ids, prompt mask, reply mask)."""
+def hf_generate(models, agent: str, chats, sampling: Sampling, **extra):
+    """transformers' ``generate`` on one agent's prompts (``extra``: more of its options); returns
+    (seconds, prompt ids, prompt mask, reply mask)."""
     with models.acting(agent) as (model, tok):
         stops = stop_token_ids(model, tok)
         ids, mask = encode_chats(tok, chats, next(model.parameters()).device)
@@ -73,7 +81,9 @@ def hf_generate(models, agent: str, chats, sampling: Sampling):
         t0 = time.perf_counter()
         out = model.generate(input_ids=ids, attention_mask=mask.long(), do_sample=sampling.temperature > 0,
                              temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                             max_new_tokens=sampling.max_new_tokens, eos_token_id=stops, pad_token_id=tok.pad_token_id)
+                             max_new_tokens=sampling.max_new_tokens, eos_token_id=stops, pad_token_id=tok.pad_token_id, **extra)
+        if out.device.type == "cuda":
+            torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
     reply = out[:, ids.shape[1]:]
     hit = torch.isin(reply, torch.tensor(stops, device=reply.device)).long()
@@ -86,6 +96,9 @@ def main() -> None:
     p.add_argument("--config", default=CONFIG)
     p.add_argument("--episodes", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", help="also write the rows to this JSON file")
+    p.add_argument("--hf-static", action="store_true",
+                   help="marft's default path, transformers generate, and transformers generate with its static cache (compiled on a GPU)")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     cfg = load_config(args.config, [*PINNED, f"threads={args.threads}", *args.overrides])
@@ -95,16 +108,19 @@ def main() -> None:
     setup = (team, models, make_env, sampling, cfg.task.horizon)
     base = next(iter(models.bases.values()))
     dtype, shape = next(base.parameters()).dtype, model_shape(base)
-    rate = matmul_rate(dtype, str(next(base.parameters()).device), threads=torch.get_num_threads())
+    device = next(base.parameters()).device
+    rate, label = machine_rate(base), rate_label(base)
     resets = [(i, {"split": "train"}) for i in range(args.episodes)]
 
     rows, runs = [], []  # rows: (name, tokens, seconds, needed FLOPs, computed FLOPs or None)
-    for name, flags in PATHS:
+    paths = GPU_PATHS if device.type == "cuda" else PATHS
+    for name, flags in paths[:1] if args.hf_static else paths:  # --hf-static: marft's default path only
         play(setup, resets[:4], flags, 0)  # warm-up
         out, calls = play(setup, resets, flags, 1)
         runs.append((out, calls))
         rows.append((name, out.generated_tokens, out.gen_seconds, sum(g.work.flops(shape) for _, g in calls),
                      sum(g.spent.flops(shape) for _, g in calls)))
+        print(f"# {name}: {out.generated_tokens} tokens in {out.gen_seconds:.1f} s", flush=True)
     new_out, new_calls = runs[0]
     prompts = [(t.agent, chats) for t, (chats, _) in zip(new_out.turns, new_calls)]
     hf_generate(models, prompts[0][0], prompts[0][1][:4], sampling)  # warm-up
@@ -114,17 +130,36 @@ def main() -> None:
         tokens, seconds = tokens + int(reply_mask.sum()), seconds + s
         needed += needed_work(ids, mask, reply_mask).flops(shape)
     rows.append(("transformers generate (agent's adapter active)", int(tokens), seconds, needed, None))
+    print(f"# transformers generate: {int(tokens)} tokens in {seconds:.1f} s", flush=True)
+    if args.hf_static:  # transformers' static cache, which its generate compiles with torch.compile on a GPU
+        t0 = time.perf_counter()
+        hf_generate(models, prompts[0][0], prompts[0][1], sampling, cache_implementation="static")  # warm-up: compiles
+        print(f"# transformers generate with a static cache: first call (compilation) {time.perf_counter() - t0:.1f} s")
+        tokens = seconds = needed = 0.0
+        for agent, chats in prompts:
+            s, ids, mask, reply_mask = hf_generate(models, agent, chats, sampling, cache_implementation="static")
+            tokens, seconds = tokens + int(reply_mask.sum()), seconds + s
+            needed += needed_work(ids, mask, reply_mask).flops(shape)
+        rows.append(("transformers generate, static cache (torch.compile on a GPU)", int(tokens), seconds, needed, None))
 
     print(f"# rollout generation: team {' -> '.join(team.names)}, {args.episodes} episodes, "
           f"<= {r.max_new_tokens} new tokens, T={r.temperature}, {dtype}, {torch.get_num_threads()} threads")
-    print(f"# CPU: {cpu_name()}; matrix-multiply rate ({dtype}, 2048^3): {rate / 1e12:.2f} TFLOP/s")
-    hf_rate = rows[-1][1] / rows[-1][2]
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU: {cpu_name()}"
+    print(f"# {where}; MFU against {label}")
+    hf = next(x for x in rows if x[0].startswith("transformers generate ("))
+    hf_rate = hf[1] / hf[2]
     print("| path | generated tokens | seconds | tokens/s | MFU | computed / needed FLOPs | vs transformers generate |")
     print("|---|---|---|---|---|---|---|")
-    for name, n, s, need, comp in rows:
+    table = []
+    for i, (name, n, s, need, comp) in enumerate(rows):
         waste = f"{comp / need:.2f}" if comp else "n/a"
         print(f"| {name} | {n} | {s:.1f} | {n / s:.0f} | {need / s / rate:.2%} | {waste} | {n / s / hf_rate:.2f}x |")
+        table.append({"path": name, "tokens": n, "seconds": s, "tokens_per_s": n / s, "mfu": need / s / rate,
+                      "computed_per_needed": comp / need if comp else None, "vs_hf": n / s / hf_rate, "default": i == 0})
     print(f"(new path: whole rollout {new_out.seconds:.1f} s, environments and prompt building included)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": where, "rate": label, "dtype": str(dtype), "episodes": args.episodes,
+                                               "max_new_tokens": r.max_new_tokens, "rows": table}, indent=1))
 
 
 if __name__ == "__main__":

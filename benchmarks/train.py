@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import resource
 import sys
 import time
@@ -70,6 +71,7 @@ def main() -> None:
     p.add_argument("--config", default=CONFIG)
     p.add_argument("--no-ablations", action="store_true")
     p.add_argument("--new-only", action="store_true", help="only the new path, two iterations: its own peak memory")
+    p.add_argument("--json", help="--new-only: also write the measured iteration's figures to this JSON file")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     cfg = load_config(args.config, [*PINNED, "threads=2", "output_dir=/tmp/marft-bench-train", *args.overrides])
@@ -78,14 +80,28 @@ def main() -> None:
     base = tr._base()
     dtype = next(base.parameters()).dtype
     rate = flops.machine_rate(base)
-    print(f"# {cpu_name()}, {torch.get_num_threads()} threads, model dtype {str(dtype).replace('torch.', '')}; "
-          f"matrix rate (2048^3 matmul, best of 5) {rate / 1e9:.0f} GFLOP/s")
+    device = next(base.parameters()).device
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    print(f"# {where}, {torch.get_num_threads()} threads, model dtype {str(dtype).replace('torch.', '')}; "
+          f"MFU against {flops.rate_label(base)}")
     tr.iteration_step()  # warm-up
     if args.new_only:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         m = tr.iteration_step()
+        gpu = f"; peak GPU memory allocated {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB" if device.type == "cuda" else ""
         print(f"new path: {m['seconds']:.1f} s per iteration, MFU {100 * m['mfu/iteration']:.1f}%, "
-              f"{m['tokens_per_s']:.1f} generated tokens/s; peak resident memory "
-              f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+              f"{m['tokens_per_s']:.1f} generated tokens/s, {m['throughput/processed_tokens_per_s']:.0f} prompt + reply "
+              f"tokens/s; peak resident memory {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB{gpu}")
+        print("| part | seconds | share | MFU |")
+        print("|---|---|---|---|")
+        for name, key, mkey in PARTS:
+            print(f"| {name} | {m[key]:.2f} | {100 * m[key] / m['seconds']:.0f}% | {f'{100 * m[mkey]:.1f}%' if mkey else '-'} |")
+        if args.json:
+            keep = {k: v for k, v in m.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            if device.type == "cuda":
+                keep["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            Path(args.json).write_text(json.dumps({"device": where, "rate": flops.rate_label(base), **keep}, indent=1))
         return
     s = state(tr)
     runs = {}

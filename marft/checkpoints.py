@@ -60,7 +60,9 @@ def read_state(checkpoint: Path, file: str = "trainer.pt") -> dict:
     if not path.is_file():
         raise UserError(f"checkpoint {checkpoint} has no {file}; it is incomplete or not a marft checkpoint")
     try:
-        return torch.load(path, weights_only=False)
+        # on the CPU whatever device wrote it: a run saved on a GPU resumes on a CPU and the reverse
+        # (optimisers move their state to their parameters' device when it is loaded)
+        return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # truncated or corrupt file
         earlier = sorted(p.name for p in checkpoint.parent.glob("iter_*") if p != checkpoint and (p / file).is_file())
         hint = (f"to resume from an earlier one, write its name ({', '.join(earlier[-3:])}) into {checkpoint.parent / 'latest'}"

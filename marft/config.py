@@ -224,9 +224,11 @@ class TrainConfig:
     """Replies per optimiser step (per agent)."""
     micro_batch_size: int = 64
     """At most this many replies per forward/backward pass; gradients accumulate up to ``minibatch_size``."""
-    micro_batch_tokens: int = 2048
+    micro_batch_tokens: int = 0
     """``fast``: at most this many tokens per forward/backward pass (rows x the longest row, prompt
-    + reply; rows of similar length are grouped). Bounds the learner's activation memory."""
+    + reply; rows of similar length are grouped). Bounds the learner's activation memory. 0 (auto):
+    2,048 on a CPU; on a GPU what its memory holds (``marft.packing.token_budget``: about 16k tokens
+    for a 1.5B model on an H200)."""
     fast: bool = True
     """The learner's packed passes (``marft/packing.py``: no padding, shared prompt prefix once,
     log-probabilities and entropy without a float32 vocabulary tensor, behaviour log-probabilities of
@@ -551,8 +553,9 @@ def validate(cfg: RunConfig) -> None:
            f"rollout.episodes ({r.episodes}) must be a multiple of train.group_size ({tr.group_size}) for grpo")
     _check(tr.logprob in ("sum", "mean", "word"), f"train.logprob must be sum, mean or word, got {tr.logprob!r}")
     _check(tr.keep_checkpoints >= 0, f"train.keep_checkpoints must be 0 (keep all) or more, got {tr.keep_checkpoints}")
-    for name in ("epochs", "minibatch_size", "micro_batch_size", "micro_batch_tokens", "critic_epochs", "save_every"):
+    for name in ("epochs", "minibatch_size", "micro_batch_size", "critic_epochs", "save_every"):
         _check(getattr(tr, name) >= 1, f"train.{name} must be at least 1, got {getattr(tr, name)}")
+    _check(tr.micro_batch_tokens >= 0, f"train.micro_batch_tokens must be 0 (auto: by the device's memory) or positive, got {tr.micro_batch_tokens}")
     for name in ("lr", "critic_lr", "clip", "max_grad_norm"):
         _check(getattr(tr, name) > 0, f"train.{name} must be positive, got {getattr(tr, name)}")
     for name in ("value_clip", "entropy_coef", "kl_coef", "target_kl", "agent_by_agent", "critic_warmup", "eval_every",

@@ -42,12 +42,19 @@ def _last_hidden(model, ids: torch.Tensor, mask: torch.Tensor, work=None) -> tor
     return out.hidden_states[-1]
 
 
+def _batch(batch: int | None, device, cpu: int) -> int:
+    """Rows per forward pass: ``batch`` if given, else ``cpu`` on a CPU and 4x that on a GPU."""
+    return batch if batch else cpu if device.type == "cpu" else 4 * cpu
+
+
 @torch.no_grad()
-def state_features(models, agent: str, texts: list[str], batch: int = 16, max_tokens: int = 2048, work=None) -> torch.Tensor:
+def state_features(models, agent: str, texts: list[str], batch: int | None = None, max_tokens: int = 2048, work=None) -> torch.Tensor:
     """[b, H] features of global-state texts: the base model's last hidden state at the last token
-    (adapters disabled). Texts are left-truncated to ``max_tokens``."""
+    (adapters disabled), ``batch`` texts a pass (default 16 on a CPU, 64 on a GPU). Texts are
+    left-truncated to ``max_tokens``."""
     with models.reference(agent) as (model, tok):
         device = next(model.parameters()).device
+        batch = _batch(batch, device, 16)
         feats = []
         for i in range(0, len(texts), batch):
             enc = tok(texts[i:i + batch], return_tensors="pt", padding=True, truncation=True,
@@ -59,10 +66,11 @@ def state_features(models, agent: str, texts: list[str], batch: int = 16, max_to
 
 @torch.no_grad()
 def prompt_features(models, agent: str, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                    batch: int = 16, work=None) -> torch.Tensor:
+                    batch: int | None = None, work=None) -> torch.Tensor:
     """[b, H] features of an agent's own observation (its left-padded prompt), for IPPO."""
     with models.reference(agent) as (model, _):
         device = next(model.parameters()).device
+        batch = _batch(batch, device, 16)
         feats = [_last_hidden(model, prompt_ids[i:i + batch].to(device), prompt_mask[i:i + batch].to(device), work)[:, -1].float().cpu()
                  for i in range(0, len(prompt_ids), batch)]
         return torch.cat(feats)
@@ -70,11 +78,12 @@ def prompt_features(models, agent: str, prompt_ids: torch.Tensor, prompt_mask: t
 
 @torch.no_grad()
 def token_features(models, agent: str, texts: list[str], response_ids: torch.Tensor, response_mask: torch.Tensor,
-                   batch: int = 8, max_tokens: int = 2048, work=None) -> torch.Tensor:
+                   batch: int | None = None, max_tokens: int = 2048, work=None) -> torch.Tensor:
     """[b, R, H] features before each generated token: the state text followed by the reply so
     far. Position j is the hidden state after the state and reply tokens < j."""
     with models.reference(agent) as (model, tok):
         device = next(model.parameters()).device
+        batch = _batch(batch, device, 8)
         R = response_ids.shape[1]
         feats = []
         for i in range(0, len(texts), batch):

@@ -21,12 +21,17 @@ base): one matrix product per weight, as in the forward, and two per attention p
 and a prefix that every row of a batch shares (the system prompt and chat template) is counted once
 per batch, so an implementation that recomputes it or computes padding shows as a lower MFU.
 
-The machine's rate is that of one square matrix product (2048 x 2048 x 2048 by default) in the run's
-dtype on the run's device and thread count, best of a few repetitions after a warm-up; it is measured
-once per process (about a second) and cached.
+The machine's rate is that of one square matrix product in the run's dtype on the run's device and
+thread count, best of a few repetitions after warm-ups, measured once per process and cached: n = 2048
+on a CPU (about a second there), n = 8192 on a GPU. A GPU runs a 2048^3 product far below its peak
+(an H200 in bf16: 545-640 TFLOP/s, against 790 for 8192^3), and MFU divided by it would read about
+2.9x too high; 8192^3 is the size at which the rate stops growing. ``MARFT_PEAK_TFLOPS`` replaces
+the measurement by a figure of the user's (a datasheet peak, say); :func:`rate_label` names whichever
+was used, for logs and benchmark tables.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -86,13 +91,14 @@ def matmul_rate(dtype: torch.dtype = torch.float32, device: str = "cpu", n: int 
     g = torch.Generator(device=dev).manual_seed(0)
     a = torch.randn(n, n, generator=g, device=dev).to(dtype)
     b = torch.randn(n, n, generator=g, device=dev).to(dtype)
+    warm, timed = (2, 5) if dev.type == "cpu" else (5, 10)  # a GPU's clocks settle over a few products
     best = float("inf")
-    for i in range(7):
+    for i in range(warm + timed):
         _sync(dev)
         t0 = time.perf_counter()
         a @ b
         _sync(dev)
-        if i >= 2:
+        if i >= warm:
             best = min(best, time.perf_counter() - t0)
     return 2 * n ** 3 / best
 
@@ -102,10 +108,44 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+def rate_size(device) -> int:
+    """The side n of the n^3 product that measures a device's rate: 2048 on a CPU, 8192 elsewhere."""
+    return 2048 if torch.device(device).type == "cpu" else 8192
+
+
+def peak_override() -> float:
+    """``MARFT_PEAK_TFLOPS`` in FLOP/s (0 when unset): a rate the user gives instead of the measured one."""
+    value = os.environ.get("MARFT_PEAK_TFLOPS", "").strip()
+    try:
+        peak = float(value) if value else 0.0
+    except ValueError:
+        peak = -1.0
+    if peak < 0 or peak != peak:
+        from .errors import UserError
+
+        raise UserError(f"MARFT_PEAK_TFLOPS={value!r} is not a rate; give the device's peak in TFLOP/s (e.g. 989) or unset it")
+    return peak * 1e12
+
+
 def machine_rate(model) -> float:
-    """The matrix rate (FLOP/s) for ``model``'s dtype and device at the current thread count."""
+    """The matrix rate (FLOP/s) MFU divides by for ``model``'s dtype and device at the current
+    thread count: ``MARFT_PEAK_TFLOPS`` if set, else measured (:func:`matmul_rate` at :func:`rate_size`)."""
+    override = peak_override()
+    if override:
+        return override
     p = next(model.parameters())
-    return matmul_rate(p.dtype, str(p.device), threads=torch.get_num_threads())
+    return matmul_rate(p.dtype, str(p.device), rate_size(p.device), threads=torch.get_num_threads())
+
+
+def rate_label(model) -> str:
+    """What :func:`machine_rate` is, in words: "790 TFLOP/s (8192^3 bf16 product measured on cuda:0)"."""
+    p = next(model.parameters())
+    rate = machine_rate(model)
+    if peak_override():
+        return f"{rate / 1e12:.0f} TFLOP/s (MARFT_PEAK_TFLOPS)"
+    n = rate_size(p.device)
+    dtype = str(p.dtype).replace("torch.", "").replace("bfloat16", "bf16")
+    return f"{rate / 1e12:.1f} TFLOP/s ({n}^3 {dtype} product measured on {p.device})"
 
 
 def mfu(flops: float, seconds: float, rate: float) -> float:

@@ -11,11 +11,17 @@ rows whose reply has ended leave the decode batch; the KV cache reserves room fo
 instead of growing by concatenation. :class:`Work` counts what the replies need and what was
 computed, for FLOP and MFU figures (:mod:`marft.flops`).
 
+On a GPU the decode loop is static instead (:class:`_StaticDecoder`): fixed shapes, no host
+synchronisation per token, the step replayed as a CUDA graph, marft's grouped-query attention for
+the one-token steps (docs/gpu.md has what each buys). The sampler's uniform numbers come from the
+caller's generator, on its own device, whatever device the model is on (:class:`_Uniforms`).
+
 Shapes: B prompts, b rows still in the decode batch, P prompt length (left-padded), R response
 length (right-padded), V vocabulary.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import astuple, dataclass
 
 import torch
@@ -23,6 +29,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from . import attention as grouped_attention
 from .flops import causal_context
 
 # transformers >= 5.2x names the KV cache `cache`; earlier releases `past_key_values`
@@ -100,8 +107,16 @@ def _sample(logits: torch.Tensor, generator: torch.Generator | None, u: torch.Te
     ``u`` [b, 1] holds those numbers, in [0, 1); drawn from ``generator`` when not given."""
     cdf = logits.softmax(-1).cumsum(-1)
     if u is None:
-        u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device)
+        u = _uniform((cdf.shape[0], 1), generator).to(cdf.device)
     return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
+
+
+def _uniform(shape: tuple[int, ...], generator: torch.Generator | None) -> torch.Tensor:
+    """Uniform numbers in [0, 1) drawn on ``generator``'s own device (the global CPU generator when
+    None), whatever device they are used on: a CPU generator drives a model on a GPU (and the
+    same seed gives the same numbers there as on a CPU)."""
+    device = generator.device if generator is not None else torch.device("cpu")
+    return torch.rand(shape, generator=generator, device=device)
 
 
 def _positions(mask: torch.Tensor) -> torch.Tensor:
@@ -124,35 +139,62 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 
 MIN_SHARED_PREFIX = 8  # a common prompt prefix shorter than this is prefilled with the rest of each prompt
 COMPACT_AT = 0.75  # finished rows leave the batch once the live ones are at most this share of it
+SYNC_EVERY = 16  # static decoding: steps between checks (a host synchronisation) of whether every reply has ended
 
 
 @torch.no_grad()
 def generate(model, tok, chats: list[list[dict]], sampling: Sampling, stop_ids: list[int],
              generator: torch.Generator | None = None, *, compact: bool = True,
-             share_prefix: bool = True, preallocate: bool = True) -> Generated:
+             share_prefix: bool = True, preallocate: bool = True, static: bool | None = None,
+             graphs: bool | None = None) -> Generated:
     """Sample one reply per chat, all chats in one batch, with a KV cache.
 
     ``share_prefix``: the longest token prefix common to every prompt (system prompt, chat
     template, task preamble) is prefilled once and its cache shared by all rows. ``compact``: rows
     whose reply has ended leave the batch (when at most ``COMPACT_AT`` of its rows are live).
     ``preallocate``: the KV cache reserves room for the replies instead of growing by
-    concatenation at every token. None of them changes the replies: the sampler draws a uniform
-    number for each of the B rows at every step whichever rows are still in the batch, so a
-    seeded ``generator`` gives the same tokens and log-probabilities up to float rounding, which
-    other batch shapes change (within 1e-5 in fp32; in bf16 a sampled token can then differ, and
-    the reply goes on differently from there).
-    Stop strings work as without them (checked on every row's reply so far)."""
+    concatenation at every token.
+
+    ``static`` (default: on a GPU): the decode loop keeps every shape fixed, so that the host never
+    waits for the device inside it: the batch keeps its rows (no compaction), the KV cache and the
+    attention mask have room for the longest reply from the start (:class:`_StaticDecoder`), the
+    uniform numbers of every step are drawn before the loop, and whether every reply has ended is
+    read only every ``SYNC_EVERY`` steps. ``graphs`` (default: with ``static`` on a CUDA device):
+    the decode step's model call is captured once as a CUDA graph and replayed, instead of
+    launching its few thousand kernels one by one from Python.
+
+    None of them changes the replies: the sampler draws a uniform number for each of the B rows
+    at every step whichever rows are still in the batch, and the generator ends in the same state
+    (numbers drawn for steps after every reply ended are given back), so a seeded ``generator``
+    gives the same tokens and log-probabilities up to float rounding, which other batch shapes and
+    kernels change (within 1e-5 in fp32; in bf16 a sampled token can then differ, and the reply
+    goes on differently from there). The generator may live on another device than the model (a
+    CPU generator drives a GPU model; its numbers are moved there once per call).
+    Stop strings work as without them (checked on every row's reply so far, at every step)."""
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = encode_chats(tok, chats, device)
-    B, P = prompt_ids.shape
     lengths = prompt_mask.sum(1)
     shared = _common_prefix(prompt_ids, lengths)
-    pad, stops, R = tok.pad_token_id, torch.tensor(stop_ids, device=device), sampling.max_new_tokens
-    room = R if preallocate else None
+    R = sampling.max_new_tokens
+    static = device.type == "cuda" if static is None else static
+    room = R if preallocate or static else None
     state = None
     if share_prefix and shared >= MIN_SHARED_PREFIX:
         state = _prefill_shared(model, prompt_ids, prompt_mask, shared, room)
     past, logits, mask, spent = state or _prefill(model, prompt_ids, prompt_mask, room)
+    with _decode_attention(model, static and GROUPED_DECODE):
+        decoder = _StaticDecoder.make(model, past, mask, lengths, R, graphs) if static else None
+        return _decode(model, tok, sampling, stop_ids, generator, prompt_ids, prompt_mask, lengths, past, logits, mask,
+                       spent, decoder, compact)
+
+
+def _decode(model, tok, sampling, stop_ids, generator, prompt_ids, prompt_mask, lengths, past, logits, mask, spent,
+            decoder, compact) -> Generated:
+    """:func:`generate`'s decode loop, after the prefill: the static one when ``decoder`` is given."""
+    device = prompt_ids.device
+    B, P = prompt_ids.shape
+    pad, stops, R = tok.pad_token_id, torch.tensor(stop_ids, device=device), sampling.max_new_tokens
+    uniforms = _Uniforms(generator, R, B, device) if sampling.temperature > 0 else None
     rows = torch.arange(B, device=device)  # [b] the prompt of each row of the batch
     attn = torch.cat([mask, mask.new_zeros(B, R)], 1)  # [b, P + R] attention mask; the first K columns in use
     K = P
@@ -161,9 +203,11 @@ def generate(model, tok, chats: list[list[dict]], sampling: Sampling, stop_ids: 
     done = torch.zeros(B, dtype=torch.bool, device=device)  # the reply has ended before this token
     ended = torch.zeros(B, dtype=torch.bool, device=device)  # ended by an end-of-turn token or stop string
     texts_so_far = [""] * B if sampling.stop else None
+    check = SYNC_EVERY if decoder is not None and texts_so_far is None else 1
     for step in range(R):
         live = ~done[rows]
-        nxt, logp = _next_tokens(logits, sampling, generator, rows, B)
+        u = uniforms.step(step, rows) if uniforms is not None else None
+        nxt, logp = _next_tokens(logits, sampling, u)
         nxt = torch.where(live, nxt, torch.full_like(nxt, pad))
         tokens.append(_scatter(nxt, rows, B, pad))
         valid.append(_scatter(live, rows, B, False))
@@ -173,8 +217,12 @@ def generate(model, tok, chats: list[list[dict]], sampling: Sampling, stop_ids: 
             hit |= _stop_string_hit(tok, tokens[-1], done, texts_so_far, sampling.stop)
         ended |= hit
         done = done | hit
-        if step == R - 1 or bool(done.all()):  # the last token is not fed back
+        if step == R - 1 or ((step + 1) % check == 0 and bool(done.all())):  # the last token is not fed back
             break
+        if decoder is not None:
+            spent += Work(decode_tokens=B, decode_context=B * (P + step + 1), logits=B)
+            logits = decoder.step(nxt, step)
+            continue
         attn[:, K] = live
         K += 1
         if compact:
@@ -187,12 +235,159 @@ def generate(model, tok, chats: list[list[dict]], sampling: Sampling, stop_ids: 
                     use_cache=True, **{_CACHE: past})
         past, logits = getattr(out, _CACHE), out.logits[:, -1]
         pos = pos + 1
-    response_ids = torch.stack(tokens, 1)
     response_mask = torch.stack(valid, 1)
-    logprobs = torch.stack(logps, 1)
+    width = int(response_mask.any(0).nonzero().max()) + 1  # steps run after every reply ended are dropped
+    response_ids, response_mask = torch.stack(tokens, 1)[:, :width], response_mask[:, :width]
+    logprobs = torch.stack(logps, 1)[:, :width]
+    if uniforms is not None:
+        uniforms.used(width)
     texts = tok.batch_decode(response_ids, skip_special_tokens=True)
     work = needed_work(prompt_ids, prompt_mask, response_mask)
     return Generated(prompt_ids, prompt_mask, response_ids, response_mask, logprobs, ~ended, texts, work, spent)
+
+
+# the static loop's decode steps attend with marft's grouped-query attention (marft.attention):
+# transformers' sdpa, given a mask, repeats every key and value head for each query head that reads
+# it (6x the KV cache of Qwen2.5-1.5B, written and read again at every step) and PyTorch's kernels
+# then take the mask on the repeated heads; grouped attention reads each cached head once
+GROUPED_DECODE = True
+
+
+@contextlib.contextmanager
+def _decode_attention(model, on: bool):
+    """Switch ``model`` to marft's grouped attention for the block (decode steps of one query
+    token), when ``on`` and the model can switch; its own attention afterwards."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    before = _attention_name(model)
+    switch = on and before in ("sdpa", "eager") and hasattr(base, "set_attn_implementation")
+    if switch:
+        grouped_attention.register()
+        base.set_attn_implementation(grouped_attention.NAME)
+    try:
+        yield
+    finally:
+        if switch:
+            base.set_attn_implementation(before)
+
+
+class _Uniforms:
+    """The uniform numbers of every decode step, [R, B], drawn in one call (on the generator's
+    device, moved to the model's once) in the order step-by-step draws of B numbers would take them;
+    :meth:`used` leaves the generator as if only the steps run had drawn theirs."""
+
+    def __init__(self, generator: torch.Generator | None, R: int, B: int, device):
+        self.generator = generator if generator is not None else torch.default_generator
+        self.state = self.generator.get_state()
+        self.B = B
+        self.u = _uniform((R, B), self.generator).to(device)
+
+    def step(self, step: int, rows: torch.Tensor) -> torch.Tensor:
+        """The numbers [b, 1] of the rows ``rows`` [b] at ``step``."""
+        u = self.u[step]
+        return (u if len(rows) == self.B else u[rows])[:, None]
+
+    def used(self, steps: int) -> None:
+        self.generator.set_state(self.state)
+        _uniform((steps, self.B), self.generator)
+
+
+class _StaticDecoder:
+    """The decode step with fixed shapes: the KV cache of every layer is one [B, kv_heads, P + R, d]
+    buffer (:class:`_StaticLayer`) written at column P + step, and the attention mask a
+    [B, 1, 1, P + R] buffer whose column P + step is switched on before the token generated at
+    that step is fed. Masked columns (padding, replies' future) weigh exactly 0 in the softmax, so
+    every row attends to what the growing cache of :func:`generate`'s plain loop holds.
+
+    On a CUDA device the model call is captured once as a CUDA graph (``graphs``) over these
+    buffers and replayed at every step; the first step runs it eagerly first (a warm-up that
+    writes the same cache column as the replay after it). Built by :meth:`make`, which returns None
+    where the cache or the attention is not of a kind it handles (the plain loop runs then)."""
+
+    def __init__(self, model, past, mask: torch.Tensor, lengths: torch.Tensor, R: int, graphs: bool):
+        B, P = mask.shape
+        device = mask.device
+        self.model, self.past, self.P, self.graphs = model, past, P, graphs
+        self.at = torch.tensor([P], device=device)  # [1] the cache column written by the step
+        past.layers = [_StaticLayer(layer, self.at) for layer in past.layers]
+        keep = torch.zeros(B, 1, 1, P + R, dtype=torch.bool, device=device)
+        keep[:, 0, 0, :P] = mask.bool()
+        impl = _attention_name(model)
+        if impl == "sdpa":
+            self.mask, self.on = keep, True
+        else:  # eager and marft's grouped attention add the mask to the scores
+            dtype = next(model.parameters()).dtype
+            self.mask = torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, torch.finfo(dtype).min)
+            self.on = 0.0
+        self.ids = torch.zeros(B, 1, dtype=torch.long, device=device)
+        self.pos = lengths[:, None].clone()  # [B, 1] position of the token fed at the next step
+        self.graph = self.logits = None
+
+    @classmethod
+    def make(cls, model, past, mask, lengths, R: int, graphs: bool | None):
+        layers = getattr(past, "layers", None)
+        if not layers or not all(type(layer) is _ReservedLayer for layer in layers):
+            return None
+        if any(layer._k.shape[-2] != mask.shape[1] + R for layer in layers):
+            return None
+        if _attention_name(model) not in ("sdpa", "eager", grouped_attention.NAME):
+            return None
+        device = mask.device
+        graphs = device.type == "cuda" if graphs is None else graphs and device.type == "cuda"
+        return cls(model, past, mask, lengths, R, graphs)
+
+    def _forward(self) -> torch.Tensor:
+        out = self.model(input_ids=self.ids, attention_mask=self.mask, position_ids=self.pos, use_cache=True,
+                         **{_CACHE: self.past})
+        return out.logits[:, -1]
+
+    def step(self, nxt: torch.Tensor, step: int) -> torch.Tensor:
+        """Feed the tokens ``nxt`` [B] generated at ``step``; the logits [B, V] after them."""
+        column = self.P + step
+        self.ids.copy_(nxt[:, None])
+        self.mask[:, 0, 0, column] = self.on
+        self.at.fill_(column)
+        if step:
+            self.pos += 1
+        if not self.graphs:
+            return self._forward()
+        if self.graph is None:
+            self._capture()
+        self.graph.replay()
+        return self.logits
+
+    def _capture(self) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._forward()  # warm-up: lazily built state is made outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self.logits = self._forward()
+        except RuntimeError as e:  # a model whose step cannot be captured: run it eagerly
+            _warn_once(f"marft: the decode step could not be captured as a CUDA graph ({str(e).splitlines()[0][:160]}); "
+                       "it runs without one (slower)")
+            self.graphs = False
+            self.logits = self._forward()
+            return
+        self.graph = graph
+
+
+_WARNED: set = set()
+
+
+def _warn_once(message: str) -> None:
+    import sys
+
+    if message not in _WARNED:
+        _WARNED.add(message)
+        print(message, file=sys.stderr)
+
+
+def _attention_name(model) -> str:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(base.config, "_attn_implementation", None) or "eager"
 
 
 def _common_prefix(ids: torch.Tensor, lengths: torch.Tensor) -> int:
@@ -307,15 +502,38 @@ class _ReservedLayer(DynamicLayer):
         self._view()
 
 
-def _next_tokens(logits: torch.Tensor, sampling: Sampling, generator, rows: torch.Tensor, B: int):
+class _StaticLayer(DynamicLayer):
+    """A :class:`_ReservedLayer`'s buffers [b, h, P + R, d] used whole: ``update`` writes the new keys
+    and values (one position) at the column held by the device tensor ``at`` [1] and returns the
+    whole buffers, so every step has the same shapes and reads the column from the device (what a
+    captured CUDA graph needs). The attention mask hides the columns not yet written."""
+
+    def __init__(self, reserved: _ReservedLayer, at: torch.Tensor):
+        super().__init__()
+        self.keys, self.values, self.at = reserved._k, reserved._v, at
+        self.is_initialized, self.device = True, reserved.device
+        # the columns not yet written are masked out, but attention still multiplies them by a zero
+        # weight: uninitialised memory could hold a NaN, and 0 * NaN is NaN
+        self.keys[:, :, reserved.n:].zero_()
+        self.values[:, :, reserved.n:].zero_()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.keys.index_copy_(2, self.at, key_states)
+        self.values.index_copy_(2, self.at, value_states)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.keys.shape[-2]
+
+
+def _next_tokens(logits: torch.Tensor, sampling: Sampling, u: torch.Tensor | None):
     """The next token [b] of each batch row from its ``logits`` [b, V], and its log-probability
-    [b] under log softmax(logits / T). Sampling draws one uniform number for each of the B prompts
-    (the same stream whichever rows are still in the batch) and uses those of ``rows`` [b]."""
+    [b] under log softmax(logits / T). Sampling uses the uniform numbers ``u`` [b, 1] (one per row;
+    see :class:`_Uniforms`); greedy decoding (T = 0) takes the argmax."""
     temp = sampling.temperature if sampling.temperature > 0 else 1.0
     logp = F.log_softmax(logits.float() / temp, dim=-1)
     if sampling.temperature > 0:
-        u = torch.rand(B, 1, generator=generator, device=logp.device)
-        nxt = _sample(_filter(logp, sampling.top_k, sampling.top_p), generator, u if len(rows) == B else u[rows])
+        nxt = _sample(_filter(logp, sampling.top_k, sampling.top_p), None, u)
     else:
         nxt = logp.argmax(-1)
     return nxt, logp.gather(-1, nxt[:, None]).squeeze(-1)

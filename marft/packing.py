@@ -40,7 +40,7 @@ from .logits import token_logprobs_and_entropy
 # switches for benchmarks/train.py's ablation rows (each one of the fast path's changes)
 SHARE_PREFIX = True  # run the rows' common prefix once
 FUSED = True  # chunked log-prob/entropy pass (marft.logits) instead of a float32 log-softmax
-REUSE_FIRST = True  # the first minibatch's behaviour log-probs from its own pass (marft.trainer)
+REUSE_FIRST = True  # the first minibatch's behaviour log-probs from its own pass (marft.learner)
 CPU_ATTENTION = "marft_cpu"  # the learner's attention on a CPU: marft_cpu, eager, or None (the model's: sdpa)
 
 
@@ -201,7 +201,7 @@ def response_logprobs(model, rows: list[Row], temperature: float, with_entropy: 
     targets = torch.cat([r.ids[r.n_prompt:] for r in rows]).to(device)
     h = hidden[b_idx.to(device), pos.to(device)]  # [n, H]
     if FUSED and _plain_head(model):
-        lp, ent = token_logprobs_and_entropy(h, model.get_output_embeddings().weight, targets, T, chunk=256,
+        lp, ent = token_logprobs_and_entropy(h, model.get_output_embeddings().weight, targets, T, chunk=_logit_chunk(device),
                                               with_entropy=with_entropy)
     else:  # a head with bias or logit scaling: the model's own head, on the needed positions only
         z = model.get_output_embeddings()(h).float() / T
@@ -213,6 +213,40 @@ def response_logprobs(model, rows: list[Row], temperature: float, with_entropy: 
     if ent is not None:
         ent_out = torch.zeros(len(rows), R, dtype=torch.float32, device=device).index_put((b_idx.to(device), j_idx.to(device)), ent)
     return lp_out, ent_out, work_of(rows, prefix, hidden.shape[1])
+
+
+CPU_TOKENS = 2048  # micro-batch tokens on a CPU (train.micro_batch_tokens: 0)
+BYTES_PER_TOKEN_WIDTH = 18  # activation bytes kept for the backward, per token, layer and unit of (hidden + MLP) width
+GPU_SHARE = 0.6  # of the GPU's memory, for one micro-batch's activations
+
+
+def token_budget(model, requested: int = 0) -> int:
+    """Tokens per learner micro-batch: ``requested`` if positive; else 2,048 on a CPU and, on a GPU,
+    what ``GPU_SHARE`` of its memory holds at ``BYTES_PER_TOKEN_WIDTH`` x layers x (hidden +
+    intermediate) bytes per token, in multiples of 1,024. The constant is measured: Qwen2.5-1.5B's
+    shapes (28 layers, 1,536 + 8,960 wide) in bf16 with LoRA on q and v peaked at 77-88 GiB on an
+    H200 with 16,384-token micro-batches (``scripts/gpu_check.py``), about 17 bytes per unit; the
+    budget there comes to 16,384 tokens, and to 7,168 for Qwen2.5-7B's shapes."""
+    if requested > 0:
+        return requested
+    p = next(model.parameters())
+    if p.device.type != "cuda":
+        return CPU_TOKENS
+    import torch
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cfg = getattr(base.config, "text_config", base.config)
+    width = cfg.num_hidden_layers * (cfg.hidden_size + getattr(cfg, "intermediate_size", 4 * cfg.hidden_size))
+    per_token = BYTES_PER_TOKEN_WIDTH * width * max(p.element_size(), 2) / 2
+    total = torch.cuda.get_device_properties(p.device).total_memory
+    return max(1024, int(GPU_SHARE * total / per_token) // 1024 * 1024)
+
+
+def _logit_chunk(device) -> int:
+    """Rows per chunk of the fused log-probability pass: 256 on a CPU (cache-sized); 4096 on a GPU,
+    where a [4096, V] float32 buffer (0.8 GB at V = 49,152) is small and fewer, larger products
+    keep it busy."""
+    return 256 if device.type == "cpu" else 4096
 
 
 def work_of(rows: list[Row], prefix: int, width: int | None = None) -> Work:

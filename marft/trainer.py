@@ -6,13 +6,16 @@
 4. advantages: action-level GAE (marft), token-level GAE (marft-token), per-agent GAE (ippo) or
    group-relative baselines (grpo);
 5. critic update: the value head on the cached features;
-6. policy update: each trained agent's adapter with its own AdamW, clipped PPO surrogate, in
-   minibatches with gradient accumulation.
+6. policy update: every random choice of the update is made first (:meth:`Trainer._plan_policy`:
+   the rows of each trained adapter, one shuffled order per epoch, the advantages normalised over
+   the whole batch); then each adapter's :class:`marft.learner.AdapterLearner`, with its own AdamW,
+   runs the clipped PPO surrogate in minibatches with gradient accumulation.
 
 Numerical trouble never reaches the weights: a micro-batch with non-finite log-probabilities (from
 the rollout or recomputed) or a non-finite loss is skipped, and so is an update with a non-finite
-gradient (or with nothing left to learn from), each with a warning; ``train.max_bad_updates``
-skipped updates in a row stop the run with a :class:`UserError`, its last checkpoint untouched.
+gradient (or with nothing left to learn from), each with a warning (:mod:`marft.learner`); the
+trainer counts the skipped updates, and ``train.max_bad_updates`` of them in a row (across
+iterations, saved in checkpoints) stop the run with a :class:`UserError`, its last checkpoint untouched.
 The metrics count skipped updates and degenerate batches (every episode rewarded the same, empty
 or truncated replies). Episodes whose environment raised or timed out are left out of the update
 and counted (``episodes/failed``); a batch in which every episode failed stops the run.
@@ -37,7 +40,8 @@ from .config import RunConfig, save_config
 from .critic import ValueHead, prompt_features, state_features, token_features
 from .engines import Engine, make_engine
 from .errors import UserError
-from .generation import Sampling, _positions
+from .generation import Sampling
+from .learner import AdapterLearner, PolicyBatch, UpdateStats, metric_prefix
 from .rollout import Rollout, Turn, rollout
 
 
@@ -74,16 +78,16 @@ class Trainer:
         else:
             self.heads = {"team": ValueHead(hidden)}
         self.critic_opt = {k: torch.optim.AdamW(h.parameters(), lr=tr.critic_lr) for k, h in self.heads.items()}
-        self.policy_opt = {a: torch.optim.AdamW(models.adapter_parameters(a), lr=tr.lr) for a in team.adapters}
+        # one learner per adapter, each with its AdamW (policy_opt: the same optimisers, for checkpoints)
+        self.policy_learners = {a: AdapterLearner(cfg, models, a, log=lambda m: self.log(m)) for a in team.adapters}
+        self.policy_opt = {a: learner.optimizer for a, learner in self.policy_learners.items()}
         self.iteration = 0
         self.bad_in_a_row = 0  # skipped policy updates since the last good one (train.max_bad_updates)
         self.skipped = {"updates": 0, "micro_batches": 0, "critic_updates": 0}  # in the current iteration
-        self._pending_old: set = set()  # (turn, row) whose behaviour log-probs come from the first pass
-        self._rows = None  # packing.Row per turn and row of the batch being learned from
         self._flops = dict.fromkeys(("behaviour", "learner"), 0.0)  # needed FLOPs in this iteration
-        self._behaviour_s = 0.0
+        self._behaviour_s = 0.0  # seconds of the behaviour log-probabilities in this iteration
         self._critic_work = packing.Work()
-        self._dp_group = None  # a torch.distributed group of data-parallel learners (marft.distributed)
+        self._rate_logged = False  # the MFU's rate is named in the log once per run
 
     # ------------------------------------------------------------------ one iteration
     def iteration_step(self) -> dict:
@@ -127,6 +131,16 @@ class Trainer:
         mfu = {f"mfu/{k}": flops.mfu(f, s, rate) for k, (f, s) in work.items()}
         mfu["mfu/iteration"] = flops.mfu(sum(f for f, _ in work.values()), total, rate)
         mfu["machine/matmul_gflops"] = rate / 1e9
+        mfu["machine/matmul_n"] = flops.rate_size(next(self._base().parameters()).device)
+        if not self._rate_logged:
+            self.log(f"MFU against {flops.rate_label(self._base())}")
+            self._rate_logged = True
+        # per device (one here), as verl and NeMo RL report them: generated tokens, and prompt + reply
+        # tokens processed (each turn's prompt and reply, the work of rollout and learner alike)
+        processed = sum(int(t.prompt_mask.sum() + t.response_mask.sum()) for t in out.turns)
+        mfu["throughput/generated_tokens_per_s"] = tokens / total
+        mfu["throughput/processed_tokens_per_s"] = processed / total
+        mfu["throughput/rollout_tokens_per_s"] = tokens / times["generation_s"] if times["generation_s"] > 0 else 0.0
         metrics = {
             "iteration": self.iteration,
             "reward": float(out.rewards.sum(1).mean()),
@@ -299,14 +313,28 @@ class Trainer:
 
     # ------------------------------------------------------------------ step 6
     def _update_policy(self, out: Rollout, targets: list[TurnTargets], trained: list[str]) -> dict:
-        stats: dict = {}
+        """Each trained adapter's update (:class:`marft.learner.AdapterLearner`), in adapter order,
+        from the plan of :meth:`_plan_policy`; their metrics."""
         plan = self._plan_policy(out, targets, trained)
+        stats: dict = {}
         gap: list[tuple[float, int]] = []
-        self._rows = [packing.unpad(t.prompt_ids, t.prompt_mask, t.response_ids, t.response_mask) for t in out.turns]
+        n = len(plan["adapters"])
         for adapter, (rows, orders) in plan["adapters"].items():
-            stats.update(self._update_adapter(out, plan["advantages"], adapter, rows, orders, gap, len(plan["adapters"])))
+            batch = PolicyBatch.of(out.turns, plan["advantages"], rows, orders)
+            st = self.policy_learners[adapter].update(batch, self.iteration, on_update=self._count_update)
+            self._add_update(adapter, n, st, stats, gap)
         stats.update(_gap_stat(gap))
         return stats
+
+    def _add_update(self, adapter: str, n_adapters: int, st: UpdateStats, stats: dict, gap: list) -> None:
+        """Add one adapter's update to the iteration's metrics ``stats``, ``gap`` and counters
+        (its outcomes are counted as they happen, by :meth:`_count_update`)."""
+        stats.update(st.metrics(metric_prefix(adapter, n_adapters)))
+        gap += st.logprob_gap
+        self.skipped["micro_batches"] += st.micro_batches_skipped
+        self._flops["behaviour"] += st.behaviour_flops
+        self._flops["learner"] += st.learner_flops
+        self._behaviour_s += st.behaviour_s
 
     def _plan_policy(self, out: Rollout, targets: list[TurnTargets], trained: list[str]) -> dict:
         """What the policy update of each trained adapter learns from, decided before any update:
@@ -324,103 +352,18 @@ class Trainer:
                     for a, rows in rows_by_adapter.items()}
         return {"adapters": adapters, "advantages": self._normalised_advantages(out, targets)}
 
-    def _update_adapter(self, out: Rollout, norm_adv: list, adapter: str, rows: list[tuple[int, int]],
-                        orders: list[list[tuple[int, int]]], gap: list, n_adapters: int) -> dict:
-        """PPO epochs over one adapter's ``rows`` in the given ``orders``; its stats. Needs
-        ``self._rows`` (packing rows of ``out``'s turns)."""
-        tr = self.cfg.train
-        stats: dict = {}
-        params = self.models.adapter_parameters(adapter)
-        opt = self.policy_opt[adapter]
-        # behaviour log-probabilities; the fast path takes the first minibatch's from its own pass
-        # (no weight has moved yet when it runs)
-        self._pending_old = set(orders[0][:tr.minibatch_size]) if tr.fast and packing.REUSE_FIRST and not self._dp_group else set()
-        t0 = time.perf_counter()
-        recompute = [x for x in rows if x not in self._pending_old]
-        old = self._old_logprobs(out, recompute)
-        self._logprob_gap(out, old, recompute, gap)
-        self._behaviour_s += time.perf_counter() - t0
-        self._flops["behaviour"] += self._needed(adapter, recompute, backward=False)
-        agg = {"policy_loss": 0.0, "entropy": 0.0, "approx_kl": 0.0, "clip_fraction": 0.0, "kl_ref": 0.0, "grad_norm": 0.0}
-        n_mb, stopped = 0, False
-        for order in orders:
-            for lo in range(0, len(order), tr.minibatch_size):
-                mb = order[lo:lo + tr.minibatch_size]
-                opt.zero_grad()
-                mb_stats = self._accumulate(out, mb, old, norm_adv, len(mb))
-                if self._dp_group:
-                    mb_stats = self._all_reduce(params, mb_stats)
-                self._flops["learner"] += self._needed(adapter, mb, backward=True)
-                if tr.kl_coef > 0:  # the reference policy's forward
-                    self._flops["learner"] += self._needed(adapter, mb, backward=False)
-                gn = torch.nn.utils.clip_grad_norm_(params, tr.max_grad_norm)
-                if not mb_stats.pop("used") or not torch.isfinite(gn):
-                    if torch.isfinite(gn):
-                        self.log(f"warning: every micro-batch of an update of adapter {adapter} was skipped at iteration {self.iteration}; update skipped")
-                    else:
-                        self.log(f"warning: non-finite gradient for adapter {adapter} at iteration {self.iteration}; update skipped")
-                    opt.zero_grad()
-                    self._skip_update()
-                    continue
-                opt.step()
-                self._good_update()
-                for k in agg:
-                    agg[k] += mb_stats.get(k, 0.0) if k != "grad_norm" else float(gn)
-                n_mb += 1
-                if tr.target_kl and mb_stats["approx_kl"] > tr.target_kl:
-                    stopped = True
-                    break
-            if stopped:
-                break
-        prefix = "" if n_adapters == 1 and adapter == "team" else f"{adapter}/"
-        for k, v in agg.items():
-            stats[prefix + k] = v / max(n_mb, 1)
-        stats[prefix + "early_stop"] = stopped
-        return stats
-
-    def _good_update(self) -> None:
-        self.bad_in_a_row = 0
-
-    def _all_reduce(self, params: list, stats: dict) -> dict:
-        """Data-parallel learners (:mod:`marft.distributed`): sum the gradients and the statistics
-        of every learner's share of the minibatch's micro-batches."""
-        import torch.distributed as dist
-
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.flatten().float() for g in grads])
-        dist.all_reduce(flat, group=self._dp_group)
-        offset = 0
-        for p, g in zip(params, grads):
-            n = g.numel()
-            p.grad = flat[offset:offset + n].view_as(g).to(g.dtype)
-            offset += n
-        keys = sorted(stats)
-        vec = torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64)
-        dist.all_reduce(vec, group=self._dp_group)
-        return {k: (int(v) if k == "used" else float(v)) for k, v in zip(keys, vec.tolist())}
-
-    @staticmethod
-    def _logprob_gap(out: Rollout, old: dict, rows: list[tuple[int, int]], gap: list) -> None:
-        """Append to ``gap`` (sum, tokens) of |rollout - learner| behaviour log-probabilities of each
-        recomputed row (``rollout/logprob_gap``: how far the engine's numerics are from the learner's)."""
-        for i, r in rows:
-            m = out.turns[i].response_mask[r]
-            gap.append((float((out.turns[i].logprobs[r][m] - old[i][r][m]).abs().sum()), int(m.sum())))
+    def _count_update(self, good: bool) -> None:
+        """Count a policy update's outcome: a good one resets the count of skipped updates in a row."""
+        if good:
+            self.bad_in_a_row = 0
+        else:
+            self._skip_update()
 
     def _base(self, adapter: str | None = None):
         return self.models.bases[self.models.base_of[adapter or self.team.adapters[0]]]
 
     def _shape(self, adapter: str | None = None) -> flops.ModelShape:
         return flops.model_shape(self._base(adapter))
-
-    def _needed(self, adapter: str, rows: list[tuple[int, int]], backward: bool) -> float:
-        """FLOPs a pass over ``rows`` needs (:func:`marft.packing.needed_work`), forward or forward
-        + backward, whichever path computes it."""
-        if not rows:
-            return 0.0
-        tr = self.cfg.train
-        w = packing.needed_work([self._rows[i][r] for i, r in rows], tr.micro_batch_tokens, tr.micro_batch_size)
-        return w.flops(self._shape(adapter), backward)
 
     def _skip_update(self) -> None:
         """Count a skipped policy update; ``train.max_bad_updates`` in a row stop the run."""
@@ -435,6 +378,9 @@ class Trainer:
                             "model.dtype=float32, or raise train.max_bad_updates, then marft train --resume")
 
     def _normalised_advantages(self, out: Rollout, targets: list[TurnTargets]) -> list[torch.Tensor]:
+        """Each turn's advantages normalised over the whole batch (``train.normalize_advantages``):
+        [b] at action level; at token level flattened [b * R] over the reply tokens (the learner
+        reshapes them), or the targets' own [b, R] when not normalised."""
         advs = [tg.advantages for tg in targets]
         if not self.cfg.train.normalize_advantages:
             return advs
@@ -442,156 +388,9 @@ class Trainer:
             flat = torch.cat([a.flatten() for a in advs])
             m = torch.cat([t.response_mask.flatten() for t in out.turns])
             normed = adv_fns.normalize(flat, m)
-            return list(normed.split([a.numel() for a in advs]))  # reshaped in _accumulate
+            return list(normed.split([a.numel() for a in advs]))  # reshaped by the learner
         flat = torch.cat(advs)
         return list(adv_fns.normalize(flat, torch.ones_like(flat, dtype=torch.bool)).split([len(a) for a in advs]))
-
-    def _micro_batches(self, out: Rollout, rows: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
-        """Split rows (turn, row) into forward/backward passes: ``fast``: rows of similar length
-        together, by tokens (``micro_batch_tokens``) and rows (``micro_batch_size``); plain: by turn,
-        ``micro_batch_size`` rows at a time."""
-        tr = self.cfg.train
-        if tr.fast:
-            lengths = [self._rows[i][r].length for i, r in rows]
-            return [[rows[j] for j in g] for g in packing.micro_batches(lengths, tr.micro_batch_tokens, tr.micro_batch_size)]
-        by_turn: dict[int, list[int]] = {}
-        for i, r in rows:
-            by_turn.setdefault(i, []).append(r)
-        return [[(i, r) for r in rs[lo:lo + tr.micro_batch_size]] for i, rs in by_turn.items()
-                for lo in range(0, len(rs), tr.micro_batch_size)]
-
-    def _logprobs(self, model, out: Rollout, mb: list[tuple[int, int]], with_entropy: bool):
-        """Teacher-forced token log-probabilities [b, R] of the replies of ``mb`` (pairs (turn, row);
-        R = the longest of their turns' reply widths, 0 beyond a reply) and the masked mean entropy
-        (a scalar tensor, or None), under log softmax(logits / rollout.temperature)."""
-        temp = self.cfg.rollout.temperature
-        R = max(out.turns[i].response_ids.shape[1] for i, _ in mb)
-        if self.cfg.train.fast:
-            lp, ent, _ = packing.response_logprobs(model, [self._rows[i][r] for i, r in mb], temp, with_entropy)
-            rmask = self._gather(out, mb, "response_mask", R).to(lp.device)
-            lp = torch.nn.functional.pad(lp, (0, R - lp.shape[1]))
-            if ent is not None:
-                ent = losses.masked_mean(torch.nn.functional.pad(ent, (0, R - ent.shape[1])), rmask)
-            return lp, ent
-        t = out.turns[mb[0][0]]
-        rows = [r for _, r in mb]
-        ids = torch.cat([t.prompt_ids[rows], t.response_ids[rows]], 1)
-        mask = torch.cat([t.prompt_mask[rows], t.response_mask[rows]], 1)
-        device = next(model.parameters()).device
-        ids, mask_l = ids.to(device), mask.long().to(device)
-        logits = model(input_ids=ids, attention_mask=mask_l, position_ids=_positions(mask_l),
-                       logits_to_keep=t.response_ids.shape[1] + 1).logits[:, :-1]
-        logits = logits.float() / temp
-        resp = t.response_ids[rows].to(device)
-        rmask = t.response_mask[rows].to(device)
-        lp = torch.log_softmax(logits, -1).gather(-1, resp[..., None]).squeeze(-1) * rmask
-        ent = losses.entropy_from_logits(logits, rmask) if with_entropy else None
-        return torch.nn.functional.pad(lp, (0, R - lp.shape[1])), ent
-
-    @staticmethod
-    def _gather(out: Rollout, mb: list[tuple[int, int]], name: str, R: int) -> torch.Tensor:
-        """``turn.<name>`` [b_i, R_i] of each row of ``mb``, right-padded (zeros) to [b, R]."""
-        return torch.stack([torch.nn.functional.pad(getattr(out.turns[i], name)[r], (0, R - out.turns[i].response_ids.shape[1]))
-                            for i, r in mb])
-
-    @torch.no_grad()
-    def _old_logprobs(self, out: Rollout, rows: list[tuple[int, int]]) -> dict[int, torch.Tensor]:
-        """Behaviour log-probabilities [b, R] per turn, recomputed by the learner (so the first
-        ratio is exactly 1: rollout and learner numerics differ, in bf16 especially). Rows not in
-        ``rows`` are zeros here; those in ``self._pending_old`` are filled by :meth:`_accumulate`
-        from its own pass."""
-        old = {i: torch.zeros_like(t.logprobs) for i, t in enumerate(out.turns)}
-        agent_of = {i: t.agent for i, t in enumerate(out.turns)}
-        for mb in self._my_share(self._micro_batches(out, rows)):
-            with self.models.acting(agent_of[mb[0][0]]) as (model, _):
-                lp, _ = self._logprobs(model, out, mb, False)
-            for (i, r), row in zip(mb, lp.cpu()):
-                old[i][r] = row[: old[i].shape[1]]
-        if self._dp_group:  # every learner computed its share; the others' rows are zeros
-            import torch.distributed as dist
-
-            for i in sorted(old):
-                dist.all_reduce(old[i], group=self._dp_group)
-        return old
-
-    def _my_share(self, chunks: list) -> list:
-        """This learner's share of the micro-batches: all of them, or every world-th for data-parallel learners."""
-        if not self._dp_group:
-            return chunks
-        import torch.distributed as dist
-
-        return chunks[dist.get_rank(self._dp_group)::dist.get_world_size(self._dp_group)]
-
-    def _accumulate(self, out: Rollout, mb: list[tuple[int, int]], old: dict, norm_adv: list, mb_size: int) -> dict:
-        """Forward and backward of one minibatch in micro-batches. Action level: each row's loss
-        weighs rows / ``mb_size``; token-level losses, entropy and KL weigh the micro-batch's reply
-        tokens / the minibatch's, so the gradient does not depend on how the minibatch is split."""
-        tr = self.cfg.train
-        stats = {"policy_loss": 0.0, "entropy": 0.0, "approx_kl": 0.0, "clip_fraction": 0.0, "kl_ref": 0.0, "used": 0}
-        mb_tokens = sum(int(out.turns[i].response_mask[r].sum()) for i, r in mb)
-        for chunk in self._my_share(self._micro_batches(out, mb)):
-            agent = out.turns[chunk[0][0]].agent
-            R = max(out.turns[i].response_ids.shape[1] for i, _ in chunk)
-            rmask = self._gather(out, chunk, "response_mask", R)
-            w_rows, w_tok = len(chunk) / mb_size, float(rmask.sum()) / max(mb_tokens, 1)
-            ref_lp = None
-            if tr.kl_coef > 0:
-                with torch.no_grad(), self.models.reference(agent) as (model, _):
-                    ref_lp = self._logprobs(model, out, chunk, False)[0]
-            with self.models.acting(agent) as (model, _):
-                lp, ent = self._logprobs(model, out, chunk, tr.entropy_coef > 0)
-            rmask = rmask.to(lp.device)
-            old_lp = self._gather_old(old, chunk, R, lp)
-            bad = [name for name, x in (("rollout", self._gather(out, chunk, "logprobs", R)), ("recomputed", old_lp),
-                                        ("current", lp), ("reference", ref_lp)) if x is not None and not _finite(x, rmask)]
-            if bad:
-                self.log(f"warning: non-finite {', '.join(bad)} log-probabilities for agent {agent} at iteration "
-                         f"{self.iteration}; micro-batch skipped")
-                self.skipped["micro_batches"] += 1
-                continue
-            if self.token_level:
-                a = torch.stack([torch.nn.functional.pad(norm_adv[i].view(len(out.turns[i].episodes), -1)[r],
-                                                         (0, R - out.turns[i].response_ids.shape[1])) for i, r in chunk]).to(lp.device)
-                pl, st = losses.ppo_policy_loss(lp, old_lp, a, rmask, tr.clip)
-                w = w_tok
-            else:
-                words = torch.tensor([len(out.turns[i].texts[r].split()) for i, r in chunk]) if tr.logprob == "word" else None
-                new_a = losses.action_logprobs(lp, rmask, tr.logprob, words)
-                old_a = losses.action_logprobs(old_lp, rmask, tr.logprob, words)
-                a = torch.stack([norm_adv[i][r] for i, r in chunk]).to(lp.device)
-                pl, st = losses.ppo_policy_loss(new_a, old_a, a, None, tr.clip)
-                w = w_rows
-            loss = w * pl
-            if ent is not None:
-                loss = loss - tr.entropy_coef * w_tok * ent
-                stats["entropy"] += w_tok * float(ent.detach())
-            if ref_lp is not None:
-                kl = losses.kl_penalty(lp, ref_lp, rmask)
-                loss = loss + tr.kl_coef * w_tok * kl
-                stats["kl_ref"] += w_tok * float(kl.detach())
-            if not torch.isfinite(loss):
-                self.log(f"warning: non-finite loss for agent {agent} at iteration {self.iteration}; micro-batch skipped")
-                self.skipped["micro_batches"] += 1
-                continue
-            loss.backward()
-            stats["used"] += 1
-            stats["policy_loss"] += w * float(pl.detach())
-            stats["approx_kl"] += w * st["approx_kl"]
-            stats["clip_fraction"] += w * st["clip_fraction"]
-        return stats
-
-    def _gather_old(self, old: dict, chunk: list[tuple[int, int]], R: int, lp: torch.Tensor) -> torch.Tensor:
-        """Behaviour log-probabilities [b, R] of ``chunk``; rows of the fast path's first minibatch
-        (``self._pending_old``: no weight has moved yet) take the current pass's values, stored for
-        later epochs."""
-        rows = []
-        for (i, r), cur in zip(chunk, lp.detach()):
-            if (i, r) in self._pending_old:
-                self._pending_old.discard((i, r))
-                old[i][r] = cur[: old[i].shape[1]].cpu()
-            stored = old[i][r]
-            rows.append(torch.nn.functional.pad(stored, (0, R - stored.shape[0])))
-        return torch.stack(rows).to(lp.device)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
@@ -657,7 +456,3 @@ def play(cfg: RunConfig, team, engine: Engine, make_env, resets: list[tuple[int,
     return rollout(team, engine, make_env, resets, sampling, cfg.task.horizon, generator,
                    env_timeout_s=r.env_timeout_s, schedule=r.schedule)
 
-
-def _finite(x: torch.Tensor, mask: torch.Tensor) -> bool:
-    """Whether ``x`` [b, R] is finite wherever ``mask`` [b, R] is True (padding may hold anything)."""
-    return bool(torch.isfinite(x[mask.to(x.device)]).all())

@@ -11,6 +11,16 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` are skipped, with the reason, where no CUDA GPU is available."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (none here); scripts/gpu_check.py runs these on one")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"

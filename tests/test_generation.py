@@ -53,7 +53,9 @@ CHATS = [[{"role": "system", "content": SYSTEM},
 # generate's switches: all on (the defaults), all off, then each on alone
 FAST_PATHS = [{}, {"compact": False, "share_prefix": False, "preallocate": False},
               {"share_prefix": False, "preallocate": False}, {"compact": False, "preallocate": False},
-              {"compact": False, "share_prefix": False}]
+              {"compact": False, "share_prefix": False},
+              # the static decode loop (a GPU's default; no CUDA graph on a CPU), with and without the shared prefix
+              {"static": True}, {"static": True, "share_prefix": False}]
 
 
 @pytest.fixture(scope="module")
@@ -213,3 +215,90 @@ def test_replies_cut_at_max_new_tokens_do_not_feed_their_last_token(tiny):
                        torch.Generator().manual_seed(0), **flags)
         assert out.truncated.all() and out.response_mask.all()
         assert out.spent.decode_tokens == len(CHATS) * 2 == out.work.decode_tokens, flags
+
+
+@pytest.mark.parametrize("flags", FAST_PATHS, ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()) or "defaults")
+def test_every_path_leaves_the_generator_as_the_plain_loop_does(tiny, flags):
+    """The static loop draws every step's numbers at once and gives back those of steps after the
+    replies ended: the next call sees the same stream whatever path ran."""
+    model, tok, stops = tiny
+    sampling = Sampling(temperature=1.0, max_new_tokens=14)
+    want = torch.Generator().manual_seed(5)
+    plain_generate(model, tok, CHATS, sampling, stops, want)
+    got = torch.Generator().manual_seed(5)
+    generate(model, tok, CHATS, sampling, stops, got, **flags)
+    assert torch.equal(got.get_state(), want.get_state())
+
+
+def test_static_loop_with_eager_attention_gives_the_plain_replies(tiny):
+    """Eager attention adds the static loop's mask to the scores (an additive float mask, not sdpa's
+    boolean one)."""
+    model, tok, stops = tiny
+    sampling = SAMPLINGS[0]
+    want = plain_generate(model, tok, CHATS, sampling, stops, torch.Generator().manual_seed(0))
+    before = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        got = generate(model, tok, CHATS, sampling, stops, torch.Generator().manual_seed(0), static=True)
+    finally:
+        model.set_attn_implementation(before)
+    assert torch.equal(got.response_ids, want[2]) and torch.allclose(got.logprobs, want[4], atol=1e-5, rtol=0)
+
+
+def test_static_loop_reads_every_step_from_the_device(tiny):
+    """What a CUDA graph needs: every decode step feeds the model tensors of the same shapes (the
+    whole cache buffer, the whole mask), and the cache column written comes from a device tensor."""
+    import marft.generation as gen
+
+    model, tok, stops = tiny
+    shapes = []
+    real = gen._StaticDecoder._forward
+
+    def spy(self):
+        shapes.append((tuple(self.ids.shape), tuple(self.mask.shape), tuple(self.past.layers[0].keys.shape),
+                       int(self.at), int((self.mask[0, 0, 0] == self.on).sum())))
+        return real(self)
+
+    gen._StaticDecoder._forward = spy
+    try:
+        out = generate(model, tok, CHATS, Sampling(temperature=1.0, max_new_tokens=6), [], torch.Generator().manual_seed(0),
+                       static=True, share_prefix=False)
+    finally:
+        gen._StaticDecoder._forward = real
+    P = out.prompt_ids.shape[1]
+    assert len(shapes) == 5 and len({s[:3] for s in shapes}) == 1  # 6 tokens, the last not fed back
+    assert [s[3] for s in shapes] == [P + i for i in range(5)]  # the column written at each step
+    first_row = int(out.prompt_mask[0].sum())
+    assert [s[4] for s in shapes] == [first_row + i + 1 for i in range(5)]  # the mask grows by one column a step
+
+
+def test_no_module_draws_random_numbers_on_a_fixed_device():
+    """The first GPU run crashed on ``torch.rand(..., generator=cpu_generator, device=logits.device)``.
+    A draw that passes a generator must take the generator's own device (``marft.generation._uniform``
+    does, and moves the numbers); any other draw with both a generator and a device is a bug."""
+    import ast
+    from pathlib import Path
+
+    allowed = {("generation.py", "_uniform"), ("flops.py", "matmul_rate")}  # device taken from the generator / made on it
+    found = []
+    for path in sorted(Path("marft").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for fn in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
+            for call in [n for n in ast.walk(fn) if isinstance(n, ast.Call)]:
+                kws = {k.arg for k in call.keywords}
+                if "generator" in kws and "device" in kws and (path.name, fn.name) not in allowed:
+                    found.append(f"{path}:{call.lineno} in {fn.name}")
+    assert not found, found
+
+
+def test_a_cpu_generator_drives_a_model_elsewhere():
+    """The numbers come from the generator's device and are moved to the model's ("meta" stands in
+    for a GPU here): the same numbers as drawn step by step on the CPU."""
+    from marft.generation import _Uniforms
+
+    g = torch.Generator().manual_seed(1)
+    u = _Uniforms(g, 3, 4, torch.device("meta"))
+    assert u.u.device.type == "meta" and u.step(0, torch.arange(4)).shape == (4, 1)
+    cpu = _Uniforms(torch.Generator().manual_seed(1), 3, 4, torch.device("cpu"))
+    ref = torch.Generator().manual_seed(1)
+    assert torch.equal(cpu.u, torch.cat([torch.rand(1, 4, generator=ref) for _ in range(3)]))

@@ -7,6 +7,7 @@ from marft import packing
 from marft.api import prepare
 from marft.config import load_config
 from marft.generation import sequence_logprobs
+from marft.learner import PolicyBatch
 from marft.trainer import Trainer
 
 
@@ -76,17 +77,18 @@ def test_fast_update_gives_the_plain_loss_and_gradients(tiny_overrides, algorith
     targets = tr._targets(out)
     adv = tr._normalised_advantages(out, targets)
     rows = [(i, r) for i, t in enumerate(out.turns) if t.agent == "solver" for r in range(len(t.episodes))]
+    batch = PolicyBatch.of(out.turns, adv, rows, [rows])
+    learner = tr.policy_learners["solver"]
     params = tr.models.adapter_parameters("solver")
     for p in params:
         p.requires_grad_(True)
     results = {}
     for fast in (False, True):
         tr.cfg.train.fast = fast
-        tr._rows = [packing.unpad(t.prompt_ids, t.prompt_mask, t.response_ids, t.response_mask) for t in out.turns]
-        old = tr._old_logprobs(out, rows)
+        old = learner.behaviour_logprobs(batch, batch.rows)
         for p in params:
             p.grad = None
-        stats = tr._accumulate(out, rows, old, adv, len(rows))
+        stats = learner.accumulate(batch, batch.rows, old)
         results[fast] = (old, stats, _grads(tr, "solver"))
     (old0, s0, g0), (old1, s1, g1) = results[False], results[True]
     for i in old0:

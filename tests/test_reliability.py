@@ -17,6 +17,7 @@ from conftest import VOWEL_ENV
 from marft.api import prepare
 from marft.cli import main
 from marft.config import load_config
+from marft.learner import AdapterLearner
 from marft.checkpoints import latest_checkpoint
 from marft.trainer import Trainer
 
@@ -74,9 +75,9 @@ def poison_gradient(monkeypatch):
 
 
 def poison_recomputed(monkeypatch):
-    original = Trainer._old_logprobs
-    monkeypatch.setattr(Trainer, "_old_logprobs",
-                        lambda self, out, rows: {i: lp * float("nan") for i, lp in original(self, out, rows).items()})
+    original = AdapterLearner.behaviour_logprobs
+    monkeypatch.setattr(AdapterLearner, "behaviour_logprobs",
+                        lambda self, batch, rows: {i: lp * float("nan") for i, lp in original(self, batch, rows).items()})
 
 
 def poison_rollout(monkeypatch):

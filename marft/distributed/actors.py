@@ -1,7 +1,8 @@
 """The two kinds of Ray actor, as plain classes (:mod:`marft.distributed.driver` wraps them with
 ``ray.remote``): a rollout worker plays a shard of an iteration's episodes; a learner updates one
-adapter (or, with ``cluster.learners_per_adapter`` > 1, its share of each minibatch, gradients
-summed over torch.distributed). Neither imports Ray: they are tested and used as ordinary objects.
+adapter with :class:`marft.learner.AdapterLearner` (or, with ``cluster.learners_per_adapter`` > 1,
+its share of each minibatch, gradients summed over torch.distributed). Neither imports Ray: they
+are tested and used as ordinary objects.
 
 Each actor builds what it needs from the run's config on its own machine (the base model once, with
 every adapter) and is handed weights only as adapter state dicts (a few MB), never the base model.
@@ -13,11 +14,10 @@ import hashlib
 import os
 import pickle
 import time
-from types import SimpleNamespace
 
 import torch
 
-from ..trainer import Trainer
+from ..learner import AdapterLearner, metric_prefix
 
 
 def _build(cfg, threads: int, with_env: bool, cwd: str = ""):
@@ -82,17 +82,16 @@ class RolloutWorker:
 
 
 class Learner:
-    """One adapter's learner (one of ``world`` data-parallel ones): its optimiser, and the update of
-    :meth:`marft.trainer.Trainer._update_adapter` on the turns it is sent."""
+    """One adapter's learner (one of ``world`` data-parallel ones): an
+    :class:`marft.learner.AdapterLearner` over this process's own copy of the model, updating on the
+    jobs the driver sends (:func:`marft.distributed.driver._job`)."""
 
     def __init__(self, cfg, adapter: str, threads: int, rank: int = 0, world: int = 1, cwd: str = ""):
-        from ..engines.base import Engine
-
         cfg, team, models, _ = _build(cfg, threads, with_env=False, cwd=cwd)
         self.adapter, self.rank, self.world = adapter, rank, world
         self.messages: list[str] = []
-        self.trainer = _LearnerTrainer(cfg, team, models, None, log=self.messages.append, engine=Engine())
         self.models = models
+        self.learner = AdapterLearner(cfg, models, adapter, log=self.messages.append)
 
     # torch.distributed among the learners of one adapter
     def address(self) -> tuple[str, int]:
@@ -116,45 +115,31 @@ class Learner:
         device = next(self.models.bases[self.models.base_of[self.adapter]].parameters()).device
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world)
-        self.trainer._dp_group = dist.group.WORLD
+        self.learner.group = dist.group.WORLD
         return self.rank
 
     def load(self, adapter_state: dict | None, opt_state: dict | None) -> None:
         if adapter_state is not None:
             self.models.load_adapter_state(self.adapter, adapter_state)
         if opt_state is not None:
-            opt = self.trainer.policy_opt[self.adapter]
-            opt.load_state_dict(opt_state)
-            for group in opt.param_groups:
-                group["lr"] = self.trainer.cfg.train.lr
+            self.learner.load_optimizer(opt_state)
 
     def update(self, job: dict) -> dict:
-        """One policy update. ``job``: iteration, turns (this adapter's only), advantages (per turn),
-        rows and orders (indices into those turns), n_adapters. Returns the stats and counters the
-        driver merges, and (rank 0) the new adapter weights."""
-        from .. import packing
-
+        """One policy update. ``job``: iteration, batch (a :class:`marft.learner.PolicyBatch` of this
+        adapter's turns only), n_adapters. Returns the :class:`marft.learner.UpdateStats` (whose
+        outcomes the driver counts, in adapter order, against ``train.max_bad_updates``), the
+        metrics, the warnings logged, and (rank 0) the new adapter weights."""
         t0 = time.perf_counter()
-        tr = self.trainer
-        tr.iteration = job["iteration"]
-        tr.skipped = dict.fromkeys(tr.skipped, 0)
-        tr._flops = dict.fromkeys(("behaviour", "learner"), 0.0)
-        tr._behaviour_s = 0.0
-        tr.events = []
         self.messages.clear()
-        out = SimpleNamespace(turns=job["turns"])
-        tr._rows = [packing.unpad(t.prompt_ids, t.prompt_mask, t.response_ids, t.response_mask) for t in out.turns]
-        gap: list = []
-        stats = tr._update_adapter(out, job["advantages"], self.adapter, job["rows"], job["orders"], gap, job["n_adapters"])
-        result = {"stats": stats, "gap": gap, "flops": dict(tr._flops), "behaviour_s": tr._behaviour_s,
-                  "micro_batches_skipped": tr.skipped["micro_batches"], "events": tr.events,
+        stats = self.learner.update(job["batch"], job["iteration"])
+        result = {"stats": stats, "metrics": stats.metrics(metric_prefix(self.adapter, job["n_adapters"])),
                   "messages": list(self.messages), "seconds": time.perf_counter() - t0}
         if self.rank == 0:
             result["state"] = {k: v.detach().cpu().clone() for k, v in self.models.adapter_state(self.adapter).items()}
         return result
 
     def optimizer_state(self) -> dict:
-        return self.trainer.policy_opt[self.adapter].state_dict()
+        return self.learner.optimizer.state_dict()
 
     def digest(self) -> str:
         return adapter_digest(self.models, self.adapter)
@@ -162,36 +147,4 @@ class Learner:
     def gradients(self, job: dict) -> list[torch.Tensor]:
         """The summed gradient of the first minibatch of ``job`` (no step taken): for the
         data-parallel check that world learners give what one gives."""
-        from .. import packing
-
-        tr = self.trainer
-        tr.iteration = job["iteration"]
-        out = SimpleNamespace(turns=job["turns"])
-        tr._rows = [packing.unpad(t.prompt_ids, t.prompt_mask, t.response_ids, t.response_mask) for t in out.turns]
-        tr._pending_old = set()
-        rows = job["rows"]
-        old = tr._old_logprobs(out, rows)
-        params = self.models.adapter_parameters(self.adapter)
-        for p in params:
-            p.grad = None
-        mb = job["orders"][0][:tr.cfg.train.minibatch_size]
-        st = tr._accumulate(out, mb, old, job["advantages"], len(mb))
-        if tr._dp_group:
-            tr._all_reduce(params, st)
-        grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params]
-        for p in params:
-            p.grad = None
-        return grads
-
-
-class _LearnerTrainer(Trainer):
-    """The trainer's update code, recording each update's outcome instead of counting it: the
-    driver replays the outcomes in adapter order (``train.max_bad_updates``)."""
-
-    events: list
-
-    def _skip_update(self) -> None:
-        self.events.append(False)
-
-    def _good_update(self) -> None:
-        self.events.append(True)
+        return self.learner.first_gradients(job["batch"], job["iteration"])

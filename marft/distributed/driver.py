@@ -6,9 +6,12 @@
    adapters, and its shard replayed with the same seeds (``cluster.max_worker_restarts`` per run).
 2-5. rewards, values, advantages, critic update: in the driver, as in one process.
 6. policy update: every random choice of the update is made here (:meth:`Trainer._plan_policy`);
-   each trained adapter's learner(s) get only that adapter's turns and advantages, all adapters at
-   once; each sends back its statistics and its new weights, which go to every rollout worker
-   (one object in Ray's store, read by all) and into the driver's copy (checkpoints, evaluation).
+   each trained adapter's learner(s) get only that adapter's turns and advantages (a
+   :class:`marft.learner.PolicyBatch`), all adapters at once; each runs the update of
+   :class:`marft.learner.AdapterLearner` and sends back its :class:`marft.learner.UpdateStats`
+   and its new weights, which go to every rollout worker (one object in Ray's store, read by all)
+   and into the driver's copy (checkpoints, evaluation). The updates' outcomes are counted in
+   adapter order, as one process counts them (``train.max_bad_updates``).
 
 With one rollout worker and one learner per adapter the run repeats the in-process run exactly
 (same seeds, same batches, same order of floating-point operations); with more workers each shard
@@ -23,6 +26,7 @@ import pickle
 import time
 
 from ..errors import UserError
+from ..learner import PolicyBatch
 from ..rollout import Rollout, merge_rollouts
 from ..checkpoints import latest_checkpoint
 from ..trainer import Trainer, _gap_stat, _seed
@@ -58,7 +62,8 @@ def shard_seed(cfg, it: int, k: int) -> int:
 class DistributedTrainer(Trainer):
     """A :class:`Trainer` whose rollouts run on Ray rollout workers and whose per-adapter policy
     updates run on Ray learner actors. The driver keeps the critic, the checkpoints and an HF
-    engine for evaluation."""
+    engine for evaluation; its own :attr:`policy_learners` never update, their optimisers only
+    hold the learners' states for checkpoints."""
 
     def __init__(self, cfg, team, models, make_env, log=print, engine=None):
         from ..engines import HFEngine
@@ -243,19 +248,17 @@ class DistributedTrainer(Trainer):
         for adapter in plan["adapters"]:  # in adapter order, as one process would
             results = self._get(refs[adapter], f"the learner of adapter {adapter}")
             res = results[0]
+            st = res["stats"]
             for m in res["messages"]:
                 self.log(m)
-            for good in res["events"]:
-                if good:
-                    self.bad_in_a_row = 0
-                else:
-                    self._skip_update()
-            stats.update(res["stats"])
-            gap += res["gap"]
-            self.skipped["micro_batches"] += res["micro_batches_skipped"]
-            for k in self._flops:
-                self._flops[k] += sum(r["flops"][k] for r in results)
-            slowest = max(slowest, res["behaviour_s"])
+            for good in st.outcomes:
+                self._count_update(good)
+            stats.update(res["metrics"])
+            gap += st.logprob_gap
+            self.skipped["micro_batches"] += st.micro_batches_skipped
+            for k in self._flops:  # each data-parallel rank counts the whole minibatch's work, not its share
+                self._flops[k] += getattr(st, f"{k}_flops")
+            slowest = max(slowest, st.behaviour_s)
             states[adapter] = res["state"]
             self.bytes["learner_out"] += len(pickle.dumps(res))
         self._behaviour_s += slowest  # the learners ran at once
@@ -276,6 +279,12 @@ class DistributedTrainer(Trainer):
         m["distributed/worker_restarts"] = self.restarts - restarts
         m["distributed/rollout_workers"] = len(self.workers)
         m["distributed/episodes_per_s"] = self.cfg.rollout.episodes / (time.perf_counter() - t0)
+        # the trainer's throughput is of the whole cluster; per GPU where the run asked for GPUs
+        gpus = self.cfg.cluster.worker_gpus * len(self.workers) + self._learner_gpus_total()
+        m["distributed/gpus"] = gpus
+        if gpus > 0:
+            for k in ("generated", "processed"):
+                m[f"throughput/{k}_tokens_per_s_per_gpu"] = m[f"throughput/{k}_tokens_per_s"] / gpus
         return m
 
     def save(self):
@@ -312,12 +321,10 @@ class DistributedTrainer(Trainer):
 
 
 def _job(out: Rollout, adv: list, rows: list, orders: list, iteration: int, n_adapters: int) -> dict:
-    """What one adapter's learner needs: that adapter's turns only, indices renumbered."""
-    used = sorted({i for i, _ in rows})
-    new = {i: j for j, i in enumerate(used)}
-    remap = lambda pairs: [(new[i], r) for i, r in pairs]  # noqa: E731
-    return {"iteration": iteration, "turns": [out.turns[i] for i in used], "advantages": [adv[i] for i in used],
-            "rows": remap(rows), "orders": [remap(o) for o in orders], "n_adapters": n_adapters}
+    """What one adapter's learner needs: the :class:`PolicyBatch` of its rows (that adapter's turns
+    only, indices renumbered), the iteration, and how many adapters the update has (for the
+    metrics' names, :func:`marft.learner.metric_prefix`)."""
+    return {"iteration": iteration, "batch": PolicyBatch.of(out.turns, adv, rows, orders), "n_adapters": n_adapters}
 
 
 def _cause(e: BaseException) -> str:

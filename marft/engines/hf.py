@@ -18,7 +18,7 @@ class HFEngine(Engine):
         self.models = models
         # fast False: the plain loop (no shared-prefix prefill, finished rows kept in the batch,
         # the KV cache grown by concatenation), kept to measure against
-        self.flags = {} if fast else {"compact": False, "share_prefix": False, "preallocate": False}
+        self.flags = {} if fast else {"compact": False, "share_prefix": False, "preallocate": False, "static": False}
 
     def generate(self, agent: str, chats: list[list[dict]], sampling: Sampling,
                  generator: torch.Generator | None = None) -> Generated:
