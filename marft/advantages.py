@@ -8,7 +8,8 @@ per row; the helpers lay out a batch of episodes as such sequences:
 * token level: one position per generated token, the actions of an episode back to back, see
   :func:`token_layout`, :func:`to_token_layout`, :func:`from_token_layout`;
 * IPPO: one sequence of steps per agent, :func:`ippo_gae`;
-* critic-free group baselines (GRPO / RLOO), :func:`group_advantages`.
+* critic-free group baselines (GRPO / RLOO), :func:`group_advantages`; per agent (Dr. MAS),
+  :func:`agent_group_advantages`; per agent and turn (AT-GRPO), :func:`turn_group_advantages`.
 
 Conventions: ``done_k`` means the episode ended after position k (no bootstrap from k + 1);
 padding (``mask`` False) sits at the end of a row.
@@ -243,6 +244,60 @@ def group_advantages(returns: torch.Tensor, group_ids: torch.Tensor, mode: str =
         std_i = (sq[inv] / (n_i - 1).clamp(min=1)).sqrt()
         adv = (x - mean_i) / (std_i + eps)
     return torch.where(single, 0.0, adv).to(returns.dtype)
+
+
+def _row_ids(*columns: torch.Tensor) -> torch.Tensor:
+    """[B] long: one id per distinct row of the stacked ``columns`` (each [B])."""
+    if columns[0].numel() == 0:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.unique(torch.stack([c.long() for c in columns], 1), dim=0, return_inverse=True)[1]
+
+
+def agent_group_advantages(agent_returns: torch.Tensor, acted: torch.Tensor, group_ids: torch.Tensor,
+                           eps: float = 1e-6) -> torch.Tensor:
+    """Dr. MAS (agent-wise normalisation): group-relative advantages [E, N] with each agent's own
+    statistics.
+
+    ``agent_returns`` [E, N]: agent i's return R^i_e in episode e (the team's return where the task
+    gives every agent the team reward); ``acted`` [E, H, N] bool: agent i acted at step t of episode
+    e; ``group_ids`` [E]: the episode's problem group. Every turn of agent i is one sample, valued at
+    its episode's R^i_e; for group g the samples Y_(g,i) = {(e, t): e in g, acted[e, t, i]} give::
+
+        A^i_e = (R^i_e - mean_(Y_(g,i)) R^i) / (std_(Y_(g,i)) R^i + eps)
+
+    with the SAMPLE std, as :func:`group_advantages`. So an agent is compared only with itself on
+    the same problem, and an episode weighs by the number of the agent's turns in it (the paper's
+    sum over an agent's active steps). A group of one sample, and an agent that did not act in an
+    episode, get 0.
+    """
+    E, H, N = acted.shape
+    e, t, i = acted.bool().nonzero(as_tuple=True)
+    a = group_advantages(agent_returns[e, i], _row_ids(group_ids[e], i), "grpo", eps)
+    out = torch.zeros(E, N, dtype=agent_returns.dtype, device=agent_returns.device)
+    out[e, i] = a  # the same value for every turn of agent i in episode e
+    return out
+
+
+def turn_group_advantages(agent_rewards: torch.Tensor, acted: torch.Tensor, group_ids: torch.Tensor,
+                          eps: float = 1e-6) -> torch.Tensor:
+    """AT-GRPO (agent- and turn-wise grouping): advantages [E, H, N], one per turn.
+
+    ``agent_rewards`` [E, H, N]: agent i's reward r^i_(e,t) for step t (the team reward where the
+    task gives no agent its own); ``acted`` [E, H, N] bool; ``group_ids`` [E]. The group of a turn is
+    (problem group, step t, agent i): agent i's action at step t is compared only with that agent's
+    actions at the same step of the same problem::
+
+        A^i_(e,t) = (r^i_(e,t) - mean_g r) / (std_g r + eps),   g = (group_ids[e], t, i)
+
+    with the sample std. Each turn is credited with its own step's reward, not the episode's return.
+    Turns that did not happen, and groups of one turn (a step only one episode of the group reached),
+    get 0.
+    """
+    e, t, i = acted.bool().nonzero(as_tuple=True)
+    a = group_advantages(agent_rewards[e, t, i], _row_ids(group_ids[e], t, i), "grpo", eps)
+    out = torch.zeros(acted.shape, dtype=agent_rewards.dtype, device=agent_rewards.device)
+    out[e, t, i] = a
+    return out
 
 
 def normalize(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:

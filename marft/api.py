@@ -129,7 +129,28 @@ def env_factory(cfg: RunConfig, team):
 
     t = cfg.task
     return make_env_factory(t.kind, team.names, team.answering, t.horizon, t.name, dict(t.options),
-                            t.train_path, t.test_path, t.env, {k: getattr(t, k) for k in DATASET_KEYS})
+                            t.train_path, t.test_path, t.env, {k: getattr(t, k) for k in DATASET_KEYS}, team.whole)
+
+
+def _machine(models) -> dict:
+    """:func:`marft.flops.describe_machine` of a team's (first) base model."""
+    from .flops import describe_machine
+
+    return describe_machine(next(iter(models.bases.values())))
+
+
+def _record_machine(run_dir: Path, models, iteration: int) -> None:
+    """Append where this attempt of the run ran (CPU, GPU, device, dtype, versions) to
+    ``<run>/machine.json``: one record per start or resume, with the iteration it started from."""
+    from .evaluation import write_json
+
+    path = run_dir / "machine.json"
+    try:
+        records = json.loads(path.read_text()) if path.is_file() else []
+    except ValueError:
+        records = []
+    records = [r for r in records if r.get("from_iteration", 0) < iteration]  # a resume replaces later ones
+    write_json([*records, {"from_iteration": iteration, **_machine(models)}], path)
 
 
 def make_dir(path: Path, key: str) -> Path:
@@ -143,7 +164,7 @@ def make_dir(path: Path, key: str) -> Path:
 
 def task_label(cfg: RunConfig) -> str:
     t = cfg.task
-    return t.name if t.kind == "reasoning_gym" else t.kind
+    return t.name if t.kind in ("reasoning_gym", "coop") else t.kind
 
 
 def _num_problems(make_env) -> int | None:
@@ -182,6 +203,7 @@ def evaluate(config: RunConfig, adapters: str | Path | None = None, without: Ite
         engine.close()
     result["adapters"] = str(adapters) if adapters else None
     result["without"] = without
+    result["machine"] = _machine(models)
     if output is not None:
         write_json(result, output)
     return result
@@ -325,6 +347,7 @@ class MarftTrainer:
         res = run_evaluation(self.config, part, self.trainer.engine, make_env, self._num or None)
         res["iteration"] = self.trainer.iteration
         res["without"] = list(without)
+        res["machine"] = _machine(self.models)
         if tag is not None:
             write_json(res, self.run_dir / f"eval_{tag}.json")
         return res
@@ -347,6 +370,7 @@ class MarftTrainer:
         untrained = None
         try:
             save_config(cfg, run_dir / "config.yaml")
+            _record_machine(run_dir, self.models, self.trainer.iteration)
             if resumed:
                 truncate_metrics(metrics_path, self.trainer.iteration)
                 self._log(f"resumed {run_dir} at iteration {self.trainer.iteration} from {self._checkpoint.name}")
@@ -382,8 +406,15 @@ class MarftTrainer:
             else:
                 result.final = self._run_eval("final", trackers)
             if cfg.eval.ablate:
-                for agent in [a.name for a in self.team.agents if any(a.name in b.sees for b in self.team.agents)]:
-                    result.ablations[agent] = self._run_eval(f"final_without_{agent}", trackers, (agent,))
+                read = [a.name for a in self.team.agents if any(a.name in b.sees for b in self.team.agents)]
+                groups = [(a,) for a in read]
+                graded = self.team.answering[-1]
+                others = tuple(n for n in self.team.names if n != graded)
+                if len(others) > 1 and others not in groups:  # and the graded agent alone
+                    groups.append(others)
+                for names in groups:
+                    label = "+".join(names)
+                    result.ablations[label] = self._run_eval(f"final_without_{label}", trackers, names)
             return result
         finally:
             trackers.close()

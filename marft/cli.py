@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
     ck = sub.add_parser("env-check", help="check that an environment class follows marft's environment API")
-    ck.add_argument("env", help="module:Class or path/to/file.py:Class, or a task kind: math, dataset, code, reasoning_gym")
+    ck.add_argument("env", help="module:Class or path/to/file.py:Class, or a task kind: math, dataset, code, reasoning_gym, coop")
     ck.add_argument("options", nargs="*", help="key=value constructor options of the environment")
     ck.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return p
@@ -118,7 +118,7 @@ def cmd_eval(args) -> int:
     cfg = load_config(args.config, args.overrides)
     console = Console(stderr=True, soft_wrap=True)  # log lines are not wrapped at 80 columns when piped
     console.print(f"[bold]marft eval[/] {args.config}: team {' -> '.join(a.name for a in cfg.team.agents)}, "
-                  f"model {cfg.model.name}, task {cfg.task.kind}:{cfg.task.name if cfg.task.kind == 'reasoning_gym' else cfg.task.test_path or cfg.task.env or cfg.task.dataset}")
+                  f"model {cfg.model.name}, task {cfg.task.kind}:{cfg.task.name if cfg.task.kind in ('reasoning_gym', 'coop') else cfg.task.test_path or cfg.task.env or cfg.task.dataset}")
     out = Path(cfg.eval.output or Path(cfg.output_dir) / "eval.json")
     make_dir(out.parent, "eval.output" if cfg.eval.output else "output_dir")  # fail now, not after the evaluation
     with Progress(TextColumn("evaluating"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[speed]}"),

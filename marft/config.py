@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from .envs import KINDS
 from .errors import UserError
 
 
@@ -87,11 +88,12 @@ class TeamConfig:
 class TaskConfig:
     kind: str = "reasoning_gym"
     """``reasoning_gym`` (procedural, no files), ``math`` (GSM8K/MATH-shaped files), ``code``
-    (MBPP / HumanEval, run in a sandbox), ``dataset`` (a data set + a reward function, see
+    (MBPP / HumanEval, run in a sandbox), ``coop`` (cooperative tasks split between the agents, see
+    :mod:`marft.envs.coop`), ``dataset`` (a data set + a reward function, see
     :mod:`marft.envs.dataset`) or ``custom``."""
     name: str = "basic_arithmetic"
     """reasoning_gym: the dataset name (``basic_arithmetic``, ``chain_sum``, ``gsm_symbolic`` ...);
-    code: ``mbpp`` or ``humaneval``."""
+    code: ``mbpp`` or ``humaneval``; coop: ``sum`` or ``lookup``."""
     options: dict = field(default_factory=dict)
     """Options for the reasoning_gym dataset (e.g. ``{min_terms: 2, max_terms: 2}``), the code task
     (``reward: all | fraction``, ``timeout_s``, ``workers``, ``test_split``, ... see
@@ -194,14 +196,19 @@ class EvalConfig:
     it off and run the untrained team once as ``train.iterations=0``."""
     ablate: bool = False
     """``marft train``: after the final evaluation, evaluate the trained team once more without
-    each agent whose message another agent reads (``eval_final_without_<agent>.json``)."""
+    each agent whose message another agent reads (``eval_final_without_<agent>.json``) and, in a
+    team of three or more, the graded agent alone (``eval_final_without_<a>+<b>.json``)."""
 
 
 @dataclass
 class TrainConfig:
     algorithm: str = "marft"
-    """``marft`` (action-level PPO, centralised critic), ``marft-token`` (token-level PPO),
-    ``ippo`` (a critic per agent over its own observation) or ``grpo`` (critic-free group baseline)."""
+    """One of :data:`marft.algorithms.ALGORITHMS`: ``marft`` (action-level PPO, centralised critic),
+    ``marft-token`` (token-level PPO), ``ippo`` (a critic per agent over its own observation), or a
+    critic-free group baseline over ``group_size`` episodes of each problem: ``grpo`` (the team's
+    return against its group's), ``dr-mas`` (Dr. MAS: the mean and std per agent, over the agent's own
+    turns and rewards) or ``at-grpo`` (AT-GRPO: groups per problem, agent and step, each turn's own
+    reward)."""
     iterations: int = 40
     """Rollout + update rounds. Each plays ``rollout.episodes`` episodes."""
     gamma: float = 1.0
@@ -215,9 +222,10 @@ class TrainConfig:
     credit: str = "last"
     """Where a step's team reward goes: ``last`` (the step's last micro-step, reference) or ``equal``."""
     group_size: int = 4
-    """grpo: episodes per problem (``rollout.episodes`` must be a multiple)."""
+    """grpo, dr-mas, at-grpo: episodes per problem (``rollout.episodes`` must be a multiple)."""
     group_baseline: str = "grpo"
-    """grpo: ``grpo`` (normalised by the group's std) or ``rloo`` (leave-one-out mean)."""
+    """grpo: ``grpo`` (normalised by the group's std) or ``rloo`` (leave-one-out mean); dr-mas and
+    at-grpo always take the mean and std of their groups."""
     epochs: int = 1
     """Passes over each batch per iteration."""
     minibatch_size: int = 16
@@ -525,8 +533,7 @@ def validate(cfg: RunConfig) -> None:
     _check(e.transcripts >= 0, f"eval.transcripts must be 0 (none) or more, got {e.transcripts}")
     _check(e.temperature >= 0, f"eval.temperature must be 0 (greedy) or positive, got {e.temperature}")
     t = cfg.task
-    _check(t.kind in ("reasoning_gym", "math", "code", "dataset", "custom"),
-           f"task.kind must be reasoning_gym, math, code, dataset or custom, got {t.kind!r}")
+    _check(t.kind in KINDS, f"task.kind must be one of {', '.join(KINDS)}, got {t.kind!r}")
     _check(t.horizon >= 1, f"task.horizon must be at least 1, got {t.horizon}")
     _check(t.kind != "math" or bool(t.train_path or t.test_path),
            "task.kind is math but neither task.train_path nor task.test_path is set")
@@ -540,8 +547,9 @@ def validate(cfg: RunConfig) -> None:
         _check(t.success_threshold == t.success_threshold and abs(t.success_threshold) != float("inf"),
                f"task.success_threshold must be a finite number, got {t.success_threshold}")
     tr = cfg.train
-    _check(tr.algorithm in ("marft", "marft-token", "ippo", "grpo"),
-           f"train.algorithm must be marft, marft-token, ippo or grpo, got {tr.algorithm!r}")
+    from .algorithms import ALGORITHMS
+
+    _check(tr.algorithm in ALGORITHMS, f"train.algorithm must be one of {', '.join(ALGORITHMS)}, got {tr.algorithm!r}")
     _check(tr.iterations >= 0, f"train.iterations must be 0 or more, got {tr.iterations}")
     for name in ("gamma", "agent_gamma", "gamma_token", "lam"):
         v = getattr(tr, name)
@@ -549,8 +557,8 @@ def validate(cfg: RunConfig) -> None:
     _check(tr.credit in ("last", "equal"), f"train.credit must be last or equal, got {tr.credit!r}")
     _check(tr.group_baseline in ("grpo", "rloo"), f"train.group_baseline must be grpo or rloo, got {tr.group_baseline!r}")
     _check(tr.group_size >= 1, f"train.group_size must be at least 1, got {tr.group_size}")
-    _check(tr.algorithm != "grpo" or r.episodes % tr.group_size == 0,
-           f"rollout.episodes ({r.episodes}) must be a multiple of train.group_size ({tr.group_size}) for grpo")
+    _check(not ALGORITHMS[tr.algorithm].grouped or r.episodes % tr.group_size == 0,
+           f"rollout.episodes ({r.episodes}) must be a multiple of train.group_size ({tr.group_size}) for {tr.algorithm}")
     _check(tr.logprob in ("sum", "mean", "word"), f"train.logprob must be sum, mean or word, got {tr.logprob!r}")
     _check(tr.keep_checkpoints >= 0, f"train.keep_checkpoints must be 0 (keep all) or more, got {tr.keep_checkpoints}")
     for name in ("epochs", "minibatch_size", "micro_batch_size", "critic_epochs", "save_every"):

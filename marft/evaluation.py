@@ -89,6 +89,7 @@ def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progr
     truncated: dict[str, list[float]] = {a: [] for a in team.names}
     kept = {i * k: i for i in range(min(ev.transcripts, n))}  # episode -> problem, first sample only
     transcripts: dict[int, dict] = {}
+    texts: set[str] = set()  # each problem's opening state (every agent's part of it): distinct problems
     tokens, gen_seconds, start = 0, 0.0, time.perf_counter()
     done_eps = 0
     for lo in range(0, n * k, ro.episodes):
@@ -115,6 +116,8 @@ def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progr
                     rec = transcripts.setdefault(lo + e, {"problem": kept[lo + e], "observation": t.states[row], "turns": []})
                     rec["turns"].append({"step": t.step, "agent": t.agent, "reply": t.texts[row],
                                          "truncated": bool(t.truncated[row])})
+            if t.step == 0 and t.agent == team.names[0]:
+                texts.update(t.states)
             lengths[t.agent] += t.response_mask.sum(1).float().tolist()
             truncated[t.agent] += t.truncated.float().tolist()
         for e in here:
@@ -130,6 +133,7 @@ def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progr
     solved_at = steps.view(n, k)[success.view(n, k)]  # the turn at which each success came
     return {
         "problems": n,
+        "distinct_problems": len(texts),  # held-out problems that are distinct texts (a small task repeats some)
         "samples": k,
         "accuracy": acc,
         "ci95": [ci_lo, ci_hi],
@@ -164,6 +168,8 @@ def format_table(result: dict, title: str = "evaluation"):
     table.add_column("value", justify="right")
     lo, hi = result["ci95"]
     table.add_row("problems x samples", f"{result['problems']} x {result['samples']}")
+    if "distinct_problems" in result:
+        table.add_row("distinct problem texts", str(result["distinct_problems"]))
     table.add_row("team accuracy (pass@1)", f"{100 * result['accuracy']:.1f}%  (95% CI {100 * lo:.1f}-{100 * hi:.1f})")
     for j, v in result.get("pass_at_k", {}).items():
         if j != "1" or result["samples"] > 1:

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from . import flops, losses, packing
+from .algorithms import ALGORITHMS
 from .generation import _positions
 
 if TYPE_CHECKING:
@@ -293,7 +294,7 @@ class AdapterLearner:
                          f"{iteration}; micro-batch skipped")
                 skipped += 1
                 continue
-            if tr.algorithm == "marft-token":
+            if ALGORITHMS[tr.algorithm].token_level:
                 a = torch.stack([torch.nn.functional.pad(norm_adv[i].view(len(turns[i].episodes), -1)[r],
                                                          (0, R - turns[i].response_ids.shape[1])) for i, r in chunk]).to(lp.device)
                 pl, st = losses.ppo_policy_loss(lp, old_lp, a, rmask, tr.clip)

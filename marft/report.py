@@ -23,6 +23,10 @@ for other runs task, team, algorithm (``-ps`` with a shared adapter). Per group:
 - **differences between recipes**: for each pair of groups whose labels differ in one (an
   algorithm against another on one team, one team size against another under one algorithm), the
   difference of the seed means with its Welch 95% interval over seeds;
+- **learning speed** (:func:`learning_speed`): per group, the mean training accuracy over the
+  run (the area under the learning curve) with its interval over seeds, the optimiser steps per
+  agent until the trailing mean of 5 iterations reaches 50% per seed, and the same pairwise
+  differences as for the final accuracy;
 - **untrained**: the same for ``eval_untrained.json`` (the team before training, same problems),
   or, for runs that skipped it (``eval.before=false``), the final score of the group labelled
   ``algorithm: untrained`` (a ``train.iterations=0`` run) with the same other labels;
@@ -63,6 +67,7 @@ class RunInfo:
     without: dict[str, dict] = field(default_factory=dict)
     metrics: list[dict] = field(default_factory=list)
     graded: str | None = None  # the last answering agent (its answer decides success), from config.yaml
+    steps_per_iteration: int | None = None  # optimiser steps per agent per iteration, from config.yaml
 
 
 def _read_json(path: Path):
@@ -83,38 +88,41 @@ def _metrics(path: Path) -> list[dict]:
     return out
 
 
-def _labels_from_config(folder: Path) -> tuple[dict[str, str], str, int, str]:
-    """Labels of a run outside a sweep, its seed, planned iterations and graded agent, from its
-    config.yaml."""
+def _labels_from_config(folder: Path) -> tuple[dict[str, str], str, int, str, int]:
+    """Labels of a run outside a sweep, its seed, planned iterations, graded agent and optimiser
+    steps per agent per iteration, from its config.yaml."""
     from .config import load_config
     from .team import build_team
 
     cfg = load_config(folder / "config.yaml", [f"output_dir={folder}"])
     t = cfg.task
-    task = t.name if t.kind in ("reasoning_gym", "code") else (Path(t.test_path).stem if t.test_path else t.env or t.kind)
+    task = t.name if t.kind in ("reasoning_gym", "code", "coop") else (Path(t.test_path).stem if t.test_path else t.env or t.kind)
     team = cfg.team.preset or "+".join(a.name for a in cfg.team.agents)
     algo = cfg.train.algorithm + ("-ps" if cfg.team.share_adapter else "")
     if cfg.train.iterations == 0:
         algo = "untrained"
-    return {"task": task, "team": team, "algorithm": algo}, str(cfg.seed), cfg.train.iterations, build_team(cfg.team).answering[-1]
+    tr = cfg.train  # an agent's replies per iteration (one per episode and step), in minibatches, each epoch
+    steps = tr.epochs * math.ceil(cfg.rollout.episodes * t.horizon / tr.minibatch_size)
+    return ({"task": task, "team": team, "algorithm": algo}, str(cfg.seed), cfg.train.iterations,
+            build_team(cfg.team).answering[-1], steps)
 
 
 def _load_run(folder: Path, labels: dict | None, status: str | None) -> RunInfo:
-    planned_iters = graded = None
+    planned_iters = graded = steps = None
     seed = None
     if labels is not None:
         labels = dict(labels)
         seed = labels.pop("seed", None)
     if (folder / "config.yaml").is_file():
         try:
-            derived, cfg_seed, planned_iters, graded = _labels_from_config(folder)
+            derived, cfg_seed, planned_iters, graded, steps = _labels_from_config(folder)
         except UserError:
             derived, cfg_seed = {"run": folder.name}, "?"
         labels = labels if labels is not None else derived
         seed = seed if seed is not None else cfg_seed
     elif labels is None:
         labels = {"run": folder.name}
-    run = RunInfo(folder, labels, seed if seed is not None else "?", "missing", graded=graded)
+    run = RunInfo(folder, labels, seed if seed is not None else "?", "missing", graded=graded, steps_per_iteration=steps)
     if not folder.is_dir():
         run.status = "not started" if not status or status == "pending" else f"missing (the sweep recorded: {status})"
         return run
@@ -219,12 +227,13 @@ def spearman(x: list[float], y: list[float]) -> float | None:
     return statistics.correlation(ranks(x), ranks(y))
 
 
-def comparisons(rows: list[dict]) -> list[dict]:
+def comparisons(rows: list[dict], key: str = "final") -> list[dict]:
     """Every pair of trained groups whose labels differ in exactly one (an algorithm against
     another on the same team, a team size against another with the same algorithm, ...), with the
-    difference of their seed means and its Welch 95% interval over seeds."""
+    difference of their seed means of ``key`` (``final``: held-out accuracy; ``speed``: the learning
+    speed's area) and its Welch 95% interval over seeds."""
     out = []
-    trained = [r for r in rows if r["final"] and r["labels"].get("algorithm") != "untrained"]
+    trained = [r for r in rows if r[key] and r["labels"].get("algorithm") != "untrained"]
     for i, a in enumerate(trained):
         for b in trained[i + 1:]:
             if a["labels"].keys() != b["labels"].keys():
@@ -232,13 +241,32 @@ def comparisons(rows: list[dict]) -> list[dict]:
             differ = [k for k in a["labels"] if a["labels"][k] != b["labels"][k]]
             if len(differ) != 1:
                 continue
-            accs_a, accs_b = a["final"]["per_seed"], b["final"]["per_seed"]
+            accs_a, accs_b = a[key]["per_seed"], b[key]["per_seed"]
             out.append({"axis": differ[0], "same": {k: v for k, v in a["labels"].items() if k != differ[0]},
                         "a": a["labels"][differ[0]], "b": b["labels"][differ[0]],
                         "diff": statistics.fmean(accs_a) - statistics.fmean(accs_b),
                         "ci95": welch_interval(accs_a, accs_b), "seeds": [len(accs_a), len(accs_b)]})
     out.sort(key=lambda c: c["axis"] != "algorithm")  # algorithms first, then the other axes
     return out
+
+
+SPEED_THRESHOLD = 0.5  # the training accuracy "reached" means, for learning speed
+SPEED_WINDOW = 5  # iterations in the trailing mean that must reach it
+
+
+def learning_speed(metrics: list[dict], steps_per_iteration: int | None) -> dict | None:
+    """How fast a run learned, from its training accuracy per iteration (fresh training problems
+    at the rollout temperature, every iteration): ``area``, the mean training accuracy over all
+    iterations (the area under the curve: higher is faster), and ``steps_to``, the optimiser steps
+    per agent after which the trailing mean over :data:`SPEED_WINDOW` iterations first reaches
+    :data:`SPEED_THRESHOLD` (None: never)."""
+    acc = [m["accuracy"] for m in metrics if "accuracy" in m]
+    if not acc:
+        return None
+    reached = next((i + 1 for i in range(SPEED_WINDOW - 1, len(acc))
+                    if statistics.fmean(acc[i + 1 - SPEED_WINDOW:i + 1]) >= SPEED_THRESHOLD), None)
+    steps = reached * steps_per_iteration if reached is not None and steps_per_iteration else None
+    return {"area": statistics.fmean(acc), "iterations": len(acc), "reached_at_iteration": reached, "steps_to": steps}
 
 
 def _summary(results: list[dict]) -> dict | None:
@@ -277,11 +305,17 @@ def build_report(runs: list[RunInfo]) -> dict:
             without[a] = {"with": statistics.fmean(r.final["accuracy"] for r in both),
                           "without": statistics.fmean(r.without[a]["accuracy"] for r in both), "seeds": len(both)}
         minutes = [sum(m.get("seconds", 0.0) for m in r.metrics) / 60 for r in done if r.metrics]
+        speeds = [s for s in (learning_speed(r.metrics, r.steps_per_iteration) for r in done) if s]
+        areas = [s["area"] for s in speeds]
+        speed = {"mean": statistics.fmean(areas), "std": statistics.stdev(areas) if len(areas) > 1 else None,
+                 "per_seed": areas, "ci95_seeds": seed_interval(areas), "seeds": len(areas),
+                 "steps_to": [s["steps_to"] for s in speeds]} if areas else None
         rows.append({
             "labels": dict(key), "runs_complete": len(done), "runs_planned": len(members),
             "final": final, "untrained": untrained,
             "delta": (final["mean"] - untrained["mean"]) if final and untrained and dict(key).get("algorithm") != "untrained" else None,
             "train_minutes": statistics.fmean(minutes) if minutes else None,
+            "speed": speed,
             "without": without,
             "incomplete": [{"folder": str(r.folder), "seed": r.seed, "status": r.status} for r in members if r.final is None],
         })
@@ -313,7 +347,8 @@ def build_report(runs: list[RunInfo]) -> dict:
              if e["labels"].get("algorithm") != "untrained" and e["graded"] in e["agents"]
              and e["agents"][e["graded"]].get("truncated") is not None]
     cut = {"runs": len(pairs), "spearman": spearman(*map(list, zip(*pairs))) if pairs else None}
-    return {"groups": rows, "comparisons": comparisons(rows), "each_run": each, "graded_cut_vs_accuracy": cut,
+    return {"groups": rows, "comparisons": comparisons(rows), "speed_comparisons": comparisons(rows, "speed"),
+            "speed_threshold": SPEED_THRESHOLD, "speed_window": SPEED_WINDOW, "each_run": each, "graded_cut_vs_accuracy": cut,
             "runs": len(runs), "complete": sum(r.final is not None for r in runs),
             "train_minutes": train_s / 60, "eval_minutes": eval_s / 60}
 
@@ -366,13 +401,40 @@ def to_markdown(report: dict, plots: list[str]) -> str:
         lines += ["", "## Differences between recipes", "",
                   "Each pair of groups whose labels differ in one: the difference of their mean held-out accuracy "
                   "(points) and its 95% interval over seeds (Welch's t; the runs as the units). \"parted\": the "
-                  "interval excludes 0, the difference is more than run-to-run noise.", "",
+                  f"interval excludes 0, the difference is more than run-to-run noise. {len(pairs)} comparisons, not "
+                  "corrected for their number: about one in twenty intervals excludes 0 by chance alone.", "",
                   "| axis | same | A | B | A − B | 95% CI | parted |", "|---|---|---|---|---|---|---|"]
         for c in pairs:
             same = ", ".join(f"{k} {v}" for k, v in c["same"].items())
             parted = "yes" if c["ci95"][0] > 0 or c["ci95"][1] < 0 else "no"
             lines.append(f"| {c['axis']} | {same} | {c['a']} | {c['b']} | {100 * c['diff']:+.1f} | "
                          f"{100 * c['ci95'][0]:+.1f} to {100 * c['ci95'][1]:+.1f} | {parted} |")
+    speed = [r for r in rows if r.get("speed") and r["labels"].get("algorithm") != "untrained"]
+    if speed:
+        thr, win = 100 * report["speed_threshold"], report["speed_window"]
+        lines += ["", "## Learning speed", "",
+                  "From the training accuracy of every iteration (fresh training problems at the rollout temperature): "
+                  "its mean over the run (the area under the learning curve, %: higher learned sooner; mean ± standard "
+                  f"deviation over seeds and the 95% interval over seeds), and per seed the optimiser steps per agent "
+                  f"after which the mean of the last {win} iterations first reached {thr:.0f}% (\"–\": not within the run).",
+                  "", "| " + " | ".join([*axes, "mean training accuracy", "95% CI (seeds)", f"steps to {thr:.0f}%, per seed"]) + " |",
+                  "|" + "---|" * (len(axes) + 3)]
+        for r in speed:
+            s = r["speed"]
+            mean = f"{100 * s['mean']:.1f}" + (f" ± {100 * s['std']:.1f}" if s["std"] is not None else "")
+            steps = " / ".join("–" if x is None else str(x) for x in s["steps_to"])
+            lines.append("| " + " | ".join([*(r["labels"].get(a, "") for a in axes), mean, _interval(s["ci95_seeds"]),
+                                            steps]) + " |")
+        pairs = [c for c in report.get("speed_comparisons", []) if c["ci95"]]
+        if pairs:
+            lines += ["", f"Differences in mean training accuracy (points) between groups whose labels differ in one, "
+                      f"Welch 95% interval over seeds ({len(pairs)} comparisons; about one in twenty intervals excludes 0 "
+                      "by chance alone):", "", "| axis | same | A | B | A − B | 95% CI | parted |", "|---|---|---|---|---|---|---|"]
+            for c in pairs:
+                same = ", ".join(f"{k} {v}" for k, v in c["same"].items())
+                parted = "yes" if c["ci95"][0] > 0 or c["ci95"][1] < 0 else "no"
+                lines.append(f"| {c['axis']} | {same} | {c['a']} | {c['b']} | {100 * c['diff']:+.1f} | "
+                             f"{100 * c['ci95'][0]:+.1f} to {100 * c['ci95'][1]:+.1f} | {parted} |")
     ablations = [(r, a, v) for r in rows for a, v in r["without"].items()]
     if ablations:
         lines += ["", "## What each agent adds", "",

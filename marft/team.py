@@ -27,17 +27,23 @@ _ROLE_PROMPTS = {
     "mistake in your teammates' solution and say how to fix it. Do not give a final answer.",
     "coder": "You are the coder of a team that writes Python programs together. Write a correct, "
     "complete Python function for the task, following your teammates' plan if there is one.",
+    "speaker": "You are a member of a team that solves problems together. You know a part of the "
+    "problem that your teammates do not. Tell them exactly what your instructions say, nothing else.",
     "tester": "You are the tester of a team that writes Python programs together. Check the coder's "
     "function against the task and its tests case by case, then give the final complete function: "
     "the coder's if it is correct, corrected if it is not.",
 }
 
-# preset -> (role, answers)
+# preset -> (name, answers); the name's role prompt is that of the name without trailing digits
 PRESETS = {
     "solo": [("solver", True)],
     "duo": [("planner", False), ("solver", True)],
     "trio": [("planner", False), ("solver", True), ("verifier", True)],
     "quartet": [("planner", False), ("solver", True), ("reflector", False), ("verifier", True)],
+    # cooperative tasks (task.kind: coop): speakers hold parts of the problem, the solver answers
+    "coop2": [("speaker", False), ("solver", True)],
+    "coop3": [("speaker1", False), ("speaker2", False), ("solver", True)],
+    "coop4": [("speaker1", False), ("speaker2", False), ("speaker3", False), ("solver", True)],
     "code-solo": [("coder", True)],
     "code-duo": [("coder", True), ("tester", True)],
     "code-trio": [("planner", False), ("coder", True), ("tester", True)],
@@ -59,7 +65,8 @@ def preset_agents(preset: str) -> list[dict]:
              "prompt": f"You are agent {k + 1} of {n} in a team that solves problems together."}
             for k, (_, answers) in enumerate(roles)
         ]
-    return [{"name": role, "prompt": _ROLE_PROMPTS[role], "answers": answers} for role, answers in roles]
+    return [{"name": role, "prompt": _ROLE_PROMPTS[role.rstrip("0123456789")], "answers": answers}
+            for role, answers in roles]
 
 
 @dataclass(frozen=True)
@@ -76,10 +83,20 @@ class Agent:
 @dataclass(frozen=True)
 class Team:
     agents: tuple[Agent, ...]  # in acting (topological) order
+    left_out: tuple[str, ...] = ()  # agents an ablation left out (:meth:`without`)
+    _order: tuple[str, ...] = ()  # the whole team's acting order, where agents were left out
 
     @property
     def names(self) -> list[str]:
         return [a.name for a in self.agents]
+
+    @property
+    def whole(self) -> list[str]:
+        """The names of the whole team before any agent was left out, in acting order (a task
+        that gives each agent a part of the problem still deals every part)."""
+        if not self.left_out:
+            return self.names
+        return [n for n in self._order if n in self.names or n in self.left_out]
 
     @property
     def answering(self) -> list[str]:
@@ -97,11 +114,12 @@ class Team:
             self[n]  # an unknown name is a UserError
         left = tuple(dataclasses.replace(a, sees=tuple(m for m in a.sees if m not in names))
                      for a in self.agents if a.name not in names)
+        out = tuple(n for n in self.whole if n in names or n in self.left_out)
         if not left:
             raise UserError(f"leaving out {', '.join(names)} leaves no agent in the team")
         if not any(a.answers for a in left):
             raise UserError(f"leaving out {', '.join(names)} leaves no answering agent; leave out another agent")
-        return Team(left)
+        return Team(left, out, tuple(self.whole))
 
     def __getitem__(self, name: str) -> Agent:
         for a in self.agents:

@@ -1,15 +1,16 @@
 """The MARFT trainer. One iteration, in numbered steps:
 
 1. rollout: the team plays ``rollout.episodes`` training episodes with the current adapters;
-2. rewards: the environment's team rewards per step, credited to micro-steps;
-3. values: the critic's features and values for every micro-step (or token, or own observation);
-4. advantages: action-level GAE (marft), token-level GAE (marft-token), per-agent GAE (ippo) or
-   group-relative baselines (grpo);
-5. critic update: the value head on the cached features;
+2-4. rewards, values, advantages: what the algorithm (``train.algorithm``, one
+   :class:`marft.algorithms.Algorithm` in :data:`marft.algorithms.ALGORITHMS`) computes for every
+   turn: the rewards credited, the critic's features and values, the advantages and returns
+   (action-level GAE, token-level GAE, per-agent GAE, or a critic-free group baseline);
+5. critic update: the value heads on the cached features (none for a critic-free algorithm);
 6. policy update: every random choice of the update is made first (:meth:`Trainer._plan_policy`:
    the rows of each trained adapter, one shuffled order per epoch, the advantages normalised over
-   the whole batch); then each adapter's :class:`marft.learner.AdapterLearner`, with its own AdamW,
-   runs the clipped PPO surrogate in minibatches with gradient accumulation.
+   the whole batch or per agent, as the algorithm says); then each adapter's
+   :class:`marft.learner.AdapterLearner`, with its own AdamW, runs the clipped PPO surrogate in
+   minibatches with gradient accumulation.
 
 Numerical trouble never reaches the weights: a micro-batch with non-finite log-probabilities (from
 the rollout or recomputed) or a non-finite loss is skipped, and so is an update with a non-finite
@@ -28,31 +29,19 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from . import advantages as adv_fns
 from . import flops, losses, packing
+from .algorithms import ALGORITHMS, TargetInputs, TurnTargets
 from .checkpoints import latest_checkpoint, read_state, write_checkpoint
 from .config import RunConfig, save_config
-from .critic import ValueHead, prompt_features, state_features, token_features
 from .engines import Engine, make_engine
 from .errors import UserError
 from .generation import Sampling
 from .learner import AdapterLearner, PolicyBatch, UpdateStats, metric_prefix
-from .rollout import Rollout, Turn, rollout
-
-
-@dataclass
-class TurnTargets:
-    """What the update needs for one :class:`Turn`, row-aligned with it."""
-
-    features: torch.Tensor  # [b, H] or [b, R, H] (token level)
-    values: torch.Tensor  # [b] or [b, R]: critic values at rollout time
-    advantages: torch.Tensor  # [b] or [b, R]
-    returns: torch.Tensor  # [b] or [b, R]
+from .rollout import Rollout, rollout
 
 
 def _seed(cfg: RunConfig, iteration: int, salt: int = 0) -> int:
@@ -66,17 +55,12 @@ class Trainer:
         self.engine = engine if engine is not None else make_engine(cfg, models)
         tr = cfg.train
         self.algorithm = tr.algorithm
-        self.token_level = tr.algorithm == "marft-token"
+        self.algo = ALGORITHMS[tr.algorithm]
+        self.token_level = self.algo.token_level
         self.run_dir = Path(cfg.output_dir)
         first = next(iter(models.bases.values()))
-        hidden = first.config.hidden_size
         torch.manual_seed(cfg.seed)
-        if tr.algorithm == "ippo":
-            self.heads = {a: ValueHead(hidden) for a in team.names}
-        elif tr.algorithm == "grpo":
-            self.heads = {}
-        else:
-            self.heads = {"team": ValueHead(hidden)}
+        self.heads = self.algo.make_heads(team.names, first.config.hidden_size)
         self.critic_opt = {k: torch.optim.AdamW(h.parameters(), lr=tr.critic_lr) for k, h in self.heads.items()}
         # one learner per adapter, each with its AdamW (policy_opt: the same optimisers, for checkpoints)
         self.policy_learners = {a: AdapterLearner(cfg, models, a, log=lambda m: self.log(m)) for a in team.adapters}
@@ -164,14 +148,14 @@ class Trainer:
         return metrics
 
     def _without_failed(self, out: Rollout) -> tuple[Rollout, int]:
-        """Leave out the episodes whose environment raised or timed out (for grpo, their whole
-        group), with a warning; if nothing is left the environment is broken: stop."""
+        """Leave out the episodes whose environment raised or timed out (for a grouped algorithm,
+        their whole group), with a warning; if nothing is left the environment is broken: stop."""
         failed = int(out.failed.sum())
         if not failed:
             return out, 0
         errors = [i.get("error", "") for i, f in zip(out.infos, out.failed.tolist()) if f]
         keep = ~out.failed
-        if self.algorithm == "grpo":
+        if self.algo.grouped:
             keep = keep.view(-1, self.cfg.train.group_size).all(1, keepdim=True).expand(-1, self.cfg.train.group_size).flatten()
         if not keep.any():
             raise UserError(f"every episode of iteration {self.iteration + 1} failed in the environment (first: {errors[0]}); "
@@ -182,11 +166,11 @@ class Trainer:
 
     def _degenerate_stats(self, out: Rollout) -> dict:
         """How much of the batch carries no learning signal: ``degenerate/same_reward`` is the share
-        of groups (grpo; otherwise the whole batch is one group) whose episodes all got the same
-        return; ``responses/empty`` and ``responses/truncated`` the share of replies with no text and
-        of replies cut at ``rollout.max_new_tokens``."""
+        of groups (grouped algorithms; otherwise the whole batch is one group) whose episodes all
+        got the same return; ``responses/empty`` and ``responses/truncated`` the share of replies
+        with no text and of replies cut at ``rollout.max_new_tokens``."""
         returns = out.rewards.sum(1)
-        size = self.cfg.train.group_size if self.algorithm == "grpo" else len(returns)
+        size = self.cfg.train.group_size if self.algo.grouped else len(returns)
         groups = returns.view(-1, size)
         same = (groups == groups[:, :1]).all(1).float().mean()
         texts = [x for t in out.turns for x in t.texts]
@@ -195,11 +179,12 @@ class Trainer:
                 "responses/truncated": float(torch.cat([t.truncated.float() for t in out.turns]).mean())}
 
     def _resets(self, it: int) -> list[tuple[int, dict]]:
-        """The (seed, options) of each training episode of iteration ``it`` (grpo: groups of one problem)."""
+        """The (seed, options) of each training episode of iteration ``it`` (grouped algorithms:
+        ``train.group_size`` episodes of each problem, one after another)."""
         cfg, tr = self.cfg, self.cfg.train
         rng = random.Random(_seed(cfg, it))
         E = cfg.rollout.episodes
-        if self.algorithm == "grpo":
+        if self.algo.grouped:
             problems = [rng.randrange(2**62) for _ in range(E // tr.group_size)]
             return [(p, {"split": "train"}) for p in problems for _ in range(tr.group_size)]
         return [(rng.randrange(2**62), {"split": "train"}) for _ in range(E)]
@@ -216,65 +201,9 @@ class Trainer:
         return list(self.team.names)
 
     # ------------------------------------------------------------------ steps 2-4
-    def _micro_index(self, turn: Turn) -> int:
-        return turn.step * len(self.team.names) + self.team.names.index(turn.agent)
-
     def _targets(self, out: Rollout) -> list[TurnTargets]:
-        tr = self.cfg.train
-        E, H = out.rewards.shape
-        N = len(self.team.names)
-        rewards, discounts, dones, mask = adv_fns.micro_layout(out.rewards, out.dones, N, tr.gamma, tr.agent_gamma, tr.credit)
-        if self.algorithm == "grpo":
-            group = torch.arange(E) // tr.group_size
-            a = adv_fns.group_advantages(out.rewards.sum(1), group, tr.group_baseline)
-            zero = torch.zeros(0)
-            return [TurnTargets(zero, torch.zeros(len(t.episodes)), a[t.episodes], torch.zeros(len(t.episodes)))
-                    for t in out.turns]
-        if self.algorithm == "ippo":
-            feats = [prompt_features(self.models, t.agent, t.prompt_ids, t.prompt_mask, work=self._critic_work) for t in out.turns]
-            values = torch.zeros(E, H, N)
-            for t, f in zip(out.turns, feats):
-                with torch.no_grad():
-                    values[t.episodes, t.step, self.team.names.index(t.agent)] = self.heads[t.agent](f)
-            a, ret = adv_fns.ippo_gae(out.rewards, values, adv_fns.valid_steps(out.dones), tr.gamma, tr.lam)
-            i = self.team.names.index
-            return [TurnTargets(f, values[t.episodes, t.step, i(t.agent)], a[t.episodes, t.step, i(t.agent)],
-                                ret[t.episodes, t.step, i(t.agent)]) for t, f in zip(out.turns, feats)]
-        head = self.heads["team"]
-        K = H * N
-        if not self.token_level:
-            feats = [state_features(self.models, t.agent, t.states, work=self._critic_work) for t in out.turns]
-            values = torch.zeros(E, K)
-            for t, f in zip(out.turns, feats):
-                with torch.no_grad():
-                    values[t.episodes, self._micro_index(t)] = head(f)
-            a, ret = adv_fns.gae(rewards, values, discounts, dones, mask, tr.lam)
-            return [TurnTargets(f, values[t.episodes, self._micro_index(t)], a[t.episodes, self._micro_index(t)],
-                                ret[t.episodes, self._micro_index(t)]) for t, f in zip(out.turns, feats)]
-        # token level
-        T = max(t.response_ids.shape[1] for t in out.turns)
-        lengths = torch.zeros(E, K, dtype=torch.long)
-        tok_values = torch.zeros(E, K, T)
-        feats = []
-        for t in out.turns:
-            f = token_features(self.models, t.agent, t.states, t.response_ids, t.response_mask, work=self._critic_work)
-            feats.append(f)
-            k = self._micro_index(t)
-            lengths[t.episodes, k] = t.response_mask.sum(1)
-            with torch.no_grad():
-                v = head(f) * t.response_mask
-            tok_values[t.episodes, k, : v.shape[1]] = v
-        t_rew, t_disc, t_done, t_mask, first = adv_fns.token_layout(lengths, rewards * mask, discounts, dones & mask, tr.gamma_token)
-        L = t_rew.shape[1]
-        v_layout = adv_fns.to_token_layout(tok_values, lengths, first, L)
-        a, ret = adv_fns.gae(t_rew, v_layout, t_disc, t_done, t_mask, tr.lam)
-        a_tok = adv_fns.from_token_layout(a, lengths, first, T)
-        r_tok = adv_fns.from_token_layout(ret, lengths, first, T)
-        targets = []
-        for t, f in zip(out.turns, feats):
-            k, R = self._micro_index(t), t.response_ids.shape[1]
-            targets.append(TurnTargets(f, tok_values[t.episodes, k, :R], a_tok[t.episodes, k, :R], r_tok[t.episodes, k, :R]))
-        return targets
+        """Rewards, values, advantages and returns of every turn, as the algorithm computes them."""
+        return self.algo.targets(TargetInputs(self.cfg.train, self.team.names, self.models, self.heads, self._critic_work), out)
 
     # ------------------------------------------------------------------ step 5
     def _update_critic(self, out: Rollout, targets: list[TurnTargets]) -> dict:
@@ -339,7 +268,7 @@ class Trainer:
     def _plan_policy(self, out: Rollout, targets: list[TurnTargets], trained: list[str]) -> dict:
         """What the policy update of each trained adapter learns from, decided before any update:
         ``adapters``: adapter -> (its rows (turn, row), one shuffled order of them per epoch);
-        ``advantages``: the normalised advantages per turn (normalised over the whole batch). Every
+        ``advantages``: the normalised advantages per turn (:meth:`_normalised_advantages`). Every
         random choice is made here, so adapters can then be updated in any order, or at once."""
         tr = self.cfg.train
         rows_by_adapter: dict[str, list[tuple[int, int]]] = {}
@@ -378,19 +307,14 @@ class Trainer:
                             "model.dtype=float32, or raise train.max_bad_updates, then marft train --resume")
 
     def _normalised_advantages(self, out: Rollout, targets: list[TurnTargets]) -> list[torch.Tensor]:
-        """Each turn's advantages normalised over the whole batch (``train.normalize_advantages``):
-        [b] at action level; at token level flattened [b * R] over the reply tokens (the learner
-        reshapes them), or the targets' own [b, R] when not normalised."""
+        """Each turn's advantages normalised (``train.normalize_advantages``) over the whole batch or
+        per agent (:meth:`marft.algorithms.Algorithm.normalise`): [b] at action level; at token level
+        flattened [b * R] over the reply tokens (the learner reshapes them), or the targets' own
+        [b, R] when not normalised."""
         advs = [tg.advantages for tg in targets]
         if not self.cfg.train.normalize_advantages:
             return advs
-        if self.token_level:
-            flat = torch.cat([a.flatten() for a in advs])
-            m = torch.cat([t.response_mask.flatten() for t in out.turns])
-            normed = adv_fns.normalize(flat, m)
-            return list(normed.split([a.numel() for a in advs]))  # reshaped by the learner
-        flat = torch.cat(advs)
-        return list(adv_fns.normalize(flat, torch.ones_like(flat, dtype=torch.bool)).split([len(a) for a in advs]))
+        return self.algo.normalise(out, advs)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:

@@ -15,7 +15,7 @@ Qwen2.5-7B's, for memory) and runs, each step a subprocess under its own time li
 ``<out>/check.log``:
 
 1. the device, library versions and the matrix rate (2048^3 and 8192^3 in bf16);
-2. ``marft train`` on the duo (the main job's config with the model and sizes of ../shared/GPU.md:
+2. ``marft train`` on the duo (the arithmetic duo's config with the model and sizes of ../shared/GPU.md:
    128 episodes, replies up to 256 tokens) for a few iterations, with the untrained and final
    evaluation (128 problems) and a checkpoint, then ``marft train --resume`` for one more;
 3. ``benchmarks/rollout.py`` (marft's decode loops against transformers' ``generate`` on the same

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from marft.advantages import (credit_rewards, from_token_layout, gae, group_advantages, ippo_gae,
-                              micro_discounts, micro_layout, normalize, to_token_layout, token_layout,
-                              valid_steps)
+from marft.advantages import (agent_group_advantages, credit_rewards, from_token_layout, gae, group_advantages,
+                              ippo_gae, micro_discounts, micro_layout, normalize, to_token_layout, token_layout,
+                              turn_group_advantages, valid_steps)
 
 T, F = True, False
 
@@ -233,6 +233,71 @@ def test_group_advantages_grpo_and_rloo():
     assert torch.allclose(group_advantages(x.reshape(-1), torch.arange(3).repeat_interleave(4)), ref.reshape(-1))
 
 
+def test_dr_mas_normalises_per_agent_not_over_the_team():
+    # 2 agents (planner, solver), one step; group 0 = episodes 0, 1; group 1 = episodes 2, 3
+    returns = t([[1.0, 1.0], [0.0, 0.5],    # group 0: planner [1, 0], solver [1, 0.5]
+                 [0.5, 0.5], [0.5, 0.5]])   # group 1: every reward the same
+    acted = torch.ones(4, 1, 2, dtype=torch.bool)
+    adv = agent_group_advantages(returns, acted, torch.tensor([0, 0, 1, 1]))
+    # planner: mean 0.5, sample std sqrt((0.25 + 0.25) / 1) = 0.70711 -> +-0.70711
+    # solver:  mean 0.75, sample std sqrt((0.0625 + 0.0625) / 1) = 0.35355 -> +-0.70711
+    s = 2 ** -0.5
+    assert torch.allclose(adv, t([[s, s], [-s, -s], [0, 0], [0, 0]]), atol=1e-5)
+    # normalised over the team instead (all four samples of group 0 pooled, [1, 1, 0, 0.5]):
+    # mean 0.625, sample std sqrt((0.140625 * 2 + 0.390625 + 0.015625) / 3) = 0.47871
+    pooled = group_advantages(t([1.0, 1.0, 0.0, 0.5]), torch.zeros(4, dtype=torch.long))
+    assert torch.allclose(pooled, t([0.78335, 0.78335, -1.30558, -0.26112]), atol=1e-5)
+    assert not torch.allclose(adv[:2].flatten(), pooled, atol=0.1)  # the solver's 0.5: -0.707, not -0.261
+
+
+def test_dr_mas_counts_every_turn_of_the_agent():
+    # one group of 2 episodes, horizon 2, team reward: episode 0 solved at step 0 (return 1, one
+    # turn per agent), episode 1 failed twice (return 0, two turns per agent); agent 1 did not act
+    # in episode 1 at all (say), and a second group holds one episode
+    returns = t([[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]])
+    acted = torch.tensor([[[T, T], [F, F]], [[T, F], [T, F]], [[T, T], [F, F]]])
+    adv = agent_group_advantages(returns, acted, torch.tensor([0, 0, 1]))
+    # agent 0's samples in group 0: [1, 0, 0] (episode 1 twice): mean 1/3,
+    # sample std sqrt(((2/3)^2 + 2 (1/3)^2) / 2) = sqrt(1/3) = 0.57735 -> 1.15470, -0.57735
+    # agent 1: one sample in group 0 -> 0, no turn in episode 1 -> 0; group 1: one episode -> 0
+    assert torch.allclose(adv, t([[1.15470, 0.0], [-0.57735, 0.0], [0.0, 0.0]]), atol=1e-5)
+    # per episode (grpo) the same group gives +-0.70711: Dr. MAS weighs an episode by its turns
+    assert torch.allclose(group_advantages(t([1.0, 0.0]), torch.tensor([0, 0])), t([2 ** -0.5, -(2 ** -0.5)]), atol=1e-5)
+
+
+def test_at_grpo_groups_by_problem_agent_and_turn():
+    # group 0: 4 episodes of a duo, horizon 2, the team reward for both agents:
+    #   episode 0 right at step 0; 1 wrong then right; 2 wrong twice; 3 wrong then right
+    # group 1: 2 episodes, one step, each agent its own reward: planner [1, 0], solver [0, 0]
+    r = torch.zeros(6, 2, 2, dtype=torch.float64)
+    r[0, 0] = 1.0
+    r[1, 1] = 1.0
+    r[3, 1] = 1.0
+    r[4, 0, 0] = 1.0
+    acted = torch.zeros(6, 2, 2, dtype=torch.bool)
+    acted[:, 0] = True
+    acted[1:4, 1] = True
+    adv = turn_group_advantages(r, acted, torch.tensor([0, 0, 0, 0, 1, 1]))
+    # step 0 of group 0: [1, 0, 0, 0], mean 0.25, sample std sqrt((0.5625 + 3 * 0.0625) / 3) = 0.5
+    #   -> 1.5, -0.5, -0.5, -0.5 (for each agent)
+    # step 1 of group 0 (episodes 1-3): [1, 0, 1], mean 2/3, sample std sqrt(1/3) = 0.57735
+    #   -> 0.57735, -1.15470, 0.57735; episode 0 has no step 1 -> 0
+    # group 1, planner: [1, 0] -> +-0.70711; solver: [0, 0] -> 0, 0
+    s = 2 ** -0.5
+    expected = t([[[1.5, 1.5], [0.0, 0.0]],
+                  [[-0.5, -0.5], [0.57735, 0.57735]],
+                  [[-0.5, -0.5], [-1.15470, -1.15470]],
+                  [[-0.5, -0.5], [0.57735, 0.57735]],
+                  [[s, 0.0], [0.0, 0.0]],
+                  [[-s, 0.0], [0.0, 0.0]]])
+    assert torch.allclose(adv, expected, atol=1e-5)
+    # episode-wise (grpo on the returns [1, 1, 0, 1]: mean 0.75, sample std 0.5) credits episode
+    # 1's failed first attempt with +0.5; turn-wise grouping gives it -0.5
+    grpo = group_advantages(r[:4, :, 0].sum(1), torch.zeros(4, dtype=torch.long))
+    assert torch.allclose(grpo, t([0.5, 0.5, -1.5, 0.5]), atol=1e-5)
+    assert grpo[1] > 0 > adv[1, 0, 0]
+
+
 def test_normalize():
     # valid [1, 2, 3]: mean 2, sample std 1; the masked 100 is ignored and returned as 0
     out = normalize(t([1.0, 2.0, 3.0, 100.0]), torch.tensor([T, T, T, F]))
@@ -241,3 +306,21 @@ def test_normalize():
     mask = torch.rand(4, 6, generator=torch.Generator().manual_seed(4)) > 0.3
     y = normalize(x, mask)[mask]
     assert y.mean().abs() < 1e-6 and (y.std() - 1).abs() < 1e-6
+
+
+def test_one_step_team_reward_makes_the_group_baselines_coincide():
+    """On a one-step task whose reward is the team's (every agent gets it), AT-GRPO's groups
+    (problem, agent, step) and Dr. MAS's per-agent statistics both reduce to GRPO's group of one
+    problem: the same advantage for every agent. So on such a task they can only differ from
+    ``grpo`` by the whitening (per agent for dr-mas), which is why RESULTS.md's cooperative
+    comparison does not run them."""
+    from marft.advantages import agent_group_advantages, group_advantages, turn_group_advantages
+
+    team = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0])  # 8 episodes, groups of 4
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    acted = torch.ones(8, 1, 3, dtype=torch.bool)  # one step, three agents
+    grpo = group_advantages(team, groups)
+    per_agent = team[:, None].expand(8, 3)
+    assert torch.allclose(agent_group_advantages(per_agent, acted, groups), grpo[:, None].expand(8, 3).to(per_agent.dtype))
+    at = turn_group_advantages(per_agent[:, None, :], acted, groups)
+    assert torch.allclose(at.reshape(8, 3), grpo[:, None].expand(8, 3).to(per_agent.dtype))

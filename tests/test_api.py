@@ -121,6 +121,8 @@ def test_callbacks_stop_and_resume(vowel, tmp_path):
     assert not second.stopped and [m["iteration"] for m in second.metrics] == [1, 2, 3]
     assert seen["evals"] == [("untrained", 0), ("final", 3), ("final_without_planner", 3)]  # the config has eval.ablate
     assert set(second.ablations) == {"planner"}
+    machine = json.loads((first.run_dir / "machine.json").read_text())  # one record per attempt
+    assert [m["from_iteration"] for m in machine] == [0, 1] and machine[1]["dtype"] == "float32"
     with pytest.raises(marft.UserError, match="cannot change train.algorithm"):
         marft.MarftTrainer.resume(first.run_dir, train={"algorithm": "grpo"})
 

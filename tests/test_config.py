@@ -52,7 +52,7 @@ BAD = [
     (["rollout.top_p=1.5"], "rollout.top_p must be in (0, 1]"),
     (["model.lora.r=0"], "model.lora.r must be at least 1"),
     (["model.dtype=fp8"], "model.dtype must be auto, bfloat16, float16 or float32"),
-    (["task.kind=chess"], "task.kind must be reasoning_gym, math, code, dataset or custom"),
+    (["task.kind=chess"], "task.kind must be one of reasoning_gym, math, code, dataset, coop, custom"),
     (["task.kind=math"], "neither task.train_path nor task.test_path is set"),
     (["team.preset=octet"], "unknown team.preset 'octet'"),
     (["team.agents=[]"], "team.agents is empty; give at least one agent or a team.preset"),
@@ -85,3 +85,23 @@ def test_bad_files(tmp_path):
         load_config(write(tmp_path, "- a\n- b\n"))
     with pytest.raises(UserError, match="config: unknown key 'modle'"):
         load_config(write(tmp_path, "modle: {name: x}\n"))
+
+
+@pytest.mark.parametrize("algorithm", ["dr-mas", "at-grpo"])
+def test_group_baselines_are_algorithms_with_groups_of_one_problem(algorithm):
+    cfg = load_config(None, [f"train.algorithm={algorithm}", "rollout.episodes=12", "train.group_size=3"])
+    assert cfg.train.algorithm == algorithm
+    with pytest.raises(UserError) as e:
+        load_config(None, [f"train.algorithm={algorithm}", "rollout.episodes=10", "train.group_size=4"])
+    assert str(e.value) == f"config: rollout.episodes (10) must be a multiple of train.group_size (4) for {algorithm}"
+
+
+def test_an_unknown_algorithm_lists_every_algorithm():
+    from marft.algorithms import ALGORITHMS
+
+    with pytest.raises(UserError) as e:
+        load_config(None, ["train.algorithm=mappo"])
+    assert str(e.value) == ("config: train.algorithm must be one of marft, marft-token, ippo, grpo, dr-mas, at-grpo, "
+                            "got 'mappo'")
+    assert all(name in str(e.value) for name in ALGORITHMS)
+    load_config(None, ["train.algorithm=ippo", "rollout.episodes=10", "train.group_size=4"])  # not grouped: any size

@@ -1,6 +1,6 @@
 """Scale-out on Ray (marft.distributed) on a local two-CPU Ray cluster with the tiny model: one
 rollout worker and one learner per adapter repeat the in-process run exactly (metrics, weights, and
-across a checkpoint, and through ``marft train`` stopped and ``--resume``d); with two workers every
+across a checkpoint, and through ``marft train`` stopped and ``--resume``d; for dr-mas and at-grpo too); with two workers every
 worker holds the learners' weights after every update and the team learns; two data-parallel
 learners per adapter (gloo) train as one; a rollout worker that dies mid-rollout is replaced (a
 replacement that dies while starting too, up to ``cluster.max_worker_restarts``) and its shard
@@ -127,6 +127,21 @@ def test_one_worker_repeats_the_in_process_run_and_resumes(ray_cluster, vowel_ov
     d = resumed.digests()
     assert d["workers"][0] == {a: d["learners"][a][0] for a in d["learners"]}
     resumed.close()
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("algorithm", ["dr-mas", "at-grpo"])
+def test_one_worker_repeats_the_in_process_run_of_a_group_baseline(ray_cluster, vowel_overrides, algorithm):
+    """The critic-free multi-agent baselines on Ray: a two-step task, one shared adapter."""
+    over = vowel_overrides + SMALL + [f"train.algorithm={algorithm}", "train.group_size=4", "task.horizon=2",
+                                      "team.share_adapter=true"]
+    local = trainer_for(over)
+    expected = comparable(local.iteration_step())
+    dist = distributed_for(over + CLUSTER)
+    assert comparable(dist.iteration_step()) == expected
+    mine, theirs = snapshot(dist), snapshot(local)
+    assert all(torch.equal(mine[a][k], theirs[a][k]) for a in mine for k in mine[a])
+    dist.close()
 
 
 @pytest.mark.ray

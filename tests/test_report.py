@@ -233,3 +233,28 @@ def test_learning_curve_against_training_minutes(tmp_path, capsys):
     assert main(["report", str(run), "--out", str(out)]) == 0
     assert (out / "learning_main.png").is_file() and png_size(out / "learning_main.png") == (630, 360)
     assert "![learning_main.png](learning_main.png)" in (out / "report.md").read_text()
+
+
+def test_learning_speed_by_hand(tmp_path):
+    """Area = the mean training accuracy; steps_to = optimiser steps per agent after which the
+    trailing mean of 5 iterations first reaches 50% (the duo's config: 32 episodes in minibatches of
+    16, one epoch: 2 steps per iteration)."""
+    from marft.report import learning_speed
+
+    curve = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0, 1.0]
+    s = learning_speed([{"iteration": i + 1, "accuracy": a} for i, a in enumerate(curve)], 4)
+    # iteration 5: (0 + .2 + .4 + .6 + .8) / 5 = 0.4; iteration 6: (.2 + .4 + .6 + .8 + 1) / 5 = 0.6
+    assert s == {"area": pytest.approx(4.0 / 7), "iterations": 7, "reached_at_iteration": 6, "steps_to": 24}
+    assert learning_speed([{"iteration": 1, "accuracy": 0.9}] * 4, 4)["steps_to"] is None  # fewer than 5 iterations
+    assert learning_speed([], 4) is None
+    fast = [{"iteration": i + 1, "accuracy": a, "seconds": 1.0} for i, a in enumerate(curve)]
+    slow = [{"iteration": i + 1, "accuracy": a / 2, "seconds": 1.0} for i, a in enumerate(curve)]
+    for seed in (0, 1):
+        make_run(tmp_path / f"f{seed}", seed, final=[1, 1], iterations=7, metrics=fast)
+        make_run(tmp_path / f"s{seed}", seed, final=[1, 0], iterations=7, metrics=slow, algorithm="ippo")
+    report = build_report(find_runs([str(tmp_path)]))
+    rows = {r["labels"]["algorithm"]: r for r in report["groups"]}
+    assert rows["marft"]["speed"]["per_seed"] == [pytest.approx(4.0 / 7)] * 2
+    assert rows["marft"]["speed"]["steps_to"] == [12, 12] and rows["ippo"]["speed"]["steps_to"] == [None, None]
+    (c,) = report["speed_comparisons"]
+    assert (c["a"], c["b"]) == ("marft", "ippo") and c["diff"] == pytest.approx(2.0 / 7)

@@ -3,6 +3,8 @@
 - ``reasoning_gym`` (:class:`~marft.envs.gym.ReasoningGymEnv`): procedural problems, no files.
 - ``math`` (:class:`~marft.envs.math.MathEnv`): GSM8K / MATH / MATH-500 shaped files.
 - ``code`` (:class:`~marft.envs.code.CodeEnv`): MBPP / HumanEval programs run in a sandbox.
+- ``coop`` (:class:`~marft.envs.coop.CoopEnv`): cooperative tasks split between the agents (``sum``,
+  ``lookup``): no agent can solve them alone.
 - ``dataset`` (:class:`~marft.envs.dataset.DatasetEnv`): any data set ``datasets`` loads (a Hub id,
   a local file or folder) and a reward function ``reward(reply, record) -> float``.
 - ``custom``: the user's class, named ``"package.module:Class"`` or ``"path/to/file.py:Class"``;
@@ -16,7 +18,7 @@ from typing import Callable
 from marft.envs.base import Grade, Problem, TeamEnv, TurnBasedEnv
 from marft.errors import UserError
 
-KINDS = ("reasoning_gym", "math", "code", "dataset", "custom")
+KINDS = ("reasoning_gym", "math", "code", "dataset", "coop", "custom")
 # the task.* keys of kind "dataset" (keyword arguments of DatasetEnv, passed in ``dataset``)
 DATASET_KEYS = ("dataset", "dataset_config", "train_split", "test_split", "prompt_column", "answer_column",
                 "reward", "success_threshold")
@@ -26,14 +28,16 @@ __all__ = ["Grade", "Problem", "TeamEnv", "TurnBasedEnv", "make_env_factory", "K
 
 def make_env_factory(kind: str, agents: list[str], answering: list[str], horizon: int, name: str,
                      options: dict, train_path: str, test_path: str, env: str,
-                     dataset: dict | None = None) -> Callable[[], TeamEnv]:
+                     dataset: dict | None = None, team: list[str] | None = None) -> Callable[[], TeamEnv]:
     """A zero-argument function that builds a fresh environment for one episode slot.
 
     ``kind`` picks the task: "reasoning_gym" uses ``name`` and ``options``; "math" uses
-    ``train_path``/``test_path`` (and ``options``, which it rejects if any); "code" uses ``name``
+    ``train_path``/``test_path`` (and ``options``, which it rejects if any); "coop" uses ``name``
+    (sum | lookup) and ``options``; "code" uses ``name``
     (mbpp | humaneval), the MBPP file in ``test_path``/``train_path`` and ``options``; "custom" loads the
     class ``env`` and passes it ``options``; "dataset" uses ``dataset`` (the ``task.*`` values of
-    :data:`DATASET_KEYS` by name) and ``options`` (``instruction``). One environment is built and reset on both splits
+    :data:`DATASET_KEYS` by name) and ``options`` (``instruction``). ``team`` is the whole team where
+    ``agents`` is a part of it (an ablation): a coop task still deals every agent's part. One environment is built and reset on both splits
     here, so a missing file, an unknown dataset or a bad option fails now with a :class:`UserError`.
     """
     if kind == "reasoning_gym":
@@ -45,6 +49,9 @@ def make_env_factory(kind: str, agents: list[str], answering: list[str], horizon
     elif kind == "code":
         from marft.envs.code import CodeEnv
         cls, kwargs = CodeEnv, {"name": name, "train_path": train_path, "test_path": test_path, **options}
+    elif kind == "coop":
+        from marft.envs.coop import CoopEnv
+        cls, kwargs = CoopEnv, {"name": name, **options, "team": list(team or agents)}
     elif kind == "dataset":
         from marft.envs.dataset import DatasetEnv
         clash = [k for k in options if k in DATASET_KEYS]

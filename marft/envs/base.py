@@ -160,8 +160,13 @@ class TurnBasedEnv(TeamEnv):
         self.truncations = {a: False for a in self.agents}
         self.infos = {a: {} for a in self.agents}
 
+    def problem_text(self, agent: str) -> str:
+        """What ``agent`` is shown of the problem: by default the whole prompt (cooperative tasks
+        show each agent only its own part, :mod:`marft.envs.coop`)."""
+        return self.problem.prompt
+
     def observe(self, agent: str) -> str:
-        parts = [self.problem.prompt]
+        parts = [self.problem_text(agent)]
         if self.step_index > 0:
             last = [t for s, a, t in self.history if s == self.step_index - 1 and a == self.answering[-1]]
             if last:

@@ -166,7 +166,8 @@ def check_env(factory: Callable) -> list[str]:
 
 
 SHIPPED = {"reasoning_gym": "marft.envs.gym:ReasoningGymEnv", "math": "marft.envs.math:MathEnv",
-           "code": "marft.envs.code:CodeEnv", "dataset": "marft.envs.dataset:DatasetEnv"}
+           "code": "marft.envs.code:CodeEnv", "dataset": "marft.envs.dataset:DatasetEnv",
+           "coop": "marft.envs.coop:CoopEnv"}
 """Task kinds ``marft env-check`` also accepts by name: ``marft env-check dataset dataset=... reward=...``."""
 
 
