@@ -49,6 +49,14 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("--out", help="where report.md, report.json and the plots go (default: <first folder>/report)")
     rp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
+    sv = sub.add_parser("serve", help="serve the team as an OpenAI-compatible endpoint (each agent a model)")
+    sv.add_argument("config", help="YAML config (see configs/)")
+    sv.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.temperature=0.7")
+    sv.add_argument("--adapters", help="folder of trained adapters (one subfolder per adapter)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    sv.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
+    sv.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
     ck = sub.add_parser("env-check", help="check that an environment class follows marft's environment API")
     ck.add_argument("env", help="module:Class or path/to/file.py:Class, or a task kind: math, dataset, code, reasoning_gym, coop")
     ck.add_argument("options", nargs="*", help="key=value constructor options of the environment")
@@ -88,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(args)
         if args.command == "env-check":
             return cmd_env_check(args)
+        if args.command == "serve":
+            return cmd_serve(args)
         if args.command == "sweep":
             from .sweep import cmd_sweep
 
@@ -141,6 +151,49 @@ def cmd_eval(args) -> int:
                                  + (" (trained adapters)" if args.adapters else " (untrained)")
                                  + (f", without {', '.join(cfg.eval.without)}" if cfg.eval.without else "")))
     console.print(f"results written to {out}")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    """``marft serve``: the team (untrained, or with ``--adapters``) behind an OpenAI-compatible
+    endpoint until Ctrl-C; the key is ``MARFT_API_KEY`` if set, else a random one printed here."""
+    import os
+    import signal
+    import threading
+
+    from .api import adapters_folder, prepare
+    from .config import load_config
+    from .engines import make_engine
+    from .generation import Sampling
+    from .serve import serve_team
+
+    cfg = load_config(args.config, args.overrides)
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be 0-65535, got {args.port}")
+    team, models, _ = prepare(cfg)
+    if args.adapters:
+        models.load_adapters(adapters_folder(args.adapters))
+    r = cfg.rollout
+    engine = make_engine(cfg, models)
+    server = serve_team(models, team, engine, Sampling(r.temperature, r.top_p, r.top_k, r.max_new_tokens, tuple(r.stop)),
+                        api_key=os.environ.get("MARFT_API_KEY") or None, host=args.host, port=args.port, seed=cfg.seed)
+    try:
+        server.start()
+    except (OSError, RuntimeError, SystemExit) as e:
+        engine.close()
+        raise UserError(f"cannot serve on {args.host}:{args.port} ({e}); is the port in use? choose another --port") from None
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    print(f"marft serve: {', '.join(team.names)} at {server.url} (API key: {server.api_key}); Ctrl-C stops",
+          flush=True)
+    try:
+        while not done.wait(0.5):
+            pass
+    finally:
+        server.stop()
+        engine.close()
+    print("marft serve: stopped", file=sys.stderr)
     return 0
 
 

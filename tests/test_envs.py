@@ -426,3 +426,27 @@ def test_grade_math_in_a_worker_thread():
 
     with ThreadPoolExecutor(1) as pool:
         assert pool.submit(grade_math, "\\boxed{72}", "72").result().correct
+
+
+def test_a_module_name_resolves_from_the_working_directory(tmp_path):
+    """`marft env-check my_env:Mine` run in the folder that holds my_env.py (the console script,
+    whose sys.path does not hold the working directory, unlike `python -m`), as uvicorn and pytest
+    resolve `module:attr`."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "my_env_cwd.py").write_text(
+        "from marft.envs.base import Grade, Problem, TurnBasedEnv\n"
+        "class Mine(TurnBasedEnv):\n"
+        "    def new_problem(self, rng, split, index):\n"
+        "        return Problem('Say yes.', 'yes')\n"
+        "    def grade(self, problem, reply):\n"
+        "        return Grade('yes' in reply, True, reply)\n")
+    script = Path(sys.executable).parent / "marft"
+    r = subprocess.run([str(script), "env-check", "my_env_cwd:Mine"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "env-check: my_env_cwd:Mine conforms" in r.stdout, r.stderr
+    r = subprocess.run([str(script), "env-check", "my_env_nowhere:Mine"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0 and "cannot import module 'my_env_nowhere'" in r.stderr

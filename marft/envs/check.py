@@ -193,6 +193,9 @@ def load_env_class(spec: str) -> Callable:
 def import_user_module(module_name: str, prefix: str):
     """Import ``package.module`` or the file ``path/to/file.py`` (as ``<prefix><file name>``).
 
+    A module name resolves from the working directory too, as ``uvicorn main:app`` and pytest do:
+    ``marft env-check my_envs:MyEnv`` run in the folder that holds ``my_envs.py`` finds it.
+
     Raises :class:`UserError` ``cannot import module ...`` when there is no such module or file or
     importing it fails (the exception's type and message are in the line).
     """
@@ -209,6 +212,9 @@ def import_user_module(module_name: str, prefix: str):
             sys.modules.pop(name, None)
             raise UserError(f"cannot import module {module_name!r}: {_name(e)}: {e}") from e
         return module
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:  # the console script's path lacks the working directory
+        sys.path.append(cwd)  # after the installed packages: a local file never shadows one
     try:
         return importlib.import_module(module_name)
     except Exception as e:  # noqa: BLE001

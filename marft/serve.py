@@ -1,0 +1,337 @@
+"""The team behind an OpenAI-compatible HTTP API, for agent programs that marft does not drive.
+
+A :class:`TeamServer` serves ``GET /v1/models`` (one model per agent, named as the agent) and
+``POST /v1/chat/completions`` on 127.0.0.1 (by default) with a random API key per server. Each
+agent answers with its own LoRA adapter through the run's engine, so a program written with the
+``openai`` client (or any framework that speaks this protocol) calls the agents by name and marft
+records every call: the agent, the chat, the prompt's token ids as the learner renders them, the
+reply's ids and their behaviour log-probabilities, truncation and time, in call order, per episode.
+
+Episodes: a program given ``server.base_url(episode)`` (``.../episodes/<episode>/v1``) has its
+calls recorded under that episode (:meth:`TeamServer.calls`); ``.../v1`` alone records under
+``"default"``.
+
+Batching: requests are collected and generated together, one batch per agent and sampling
+setting, by one worker (the engine runs one batch at a time). A batch starts when ``ready(n)``
+says so for the ``n`` requests waiting (a workflow runner that knows how many episodes are in
+flight makes it "every episode is waiting", which makes the batches, and so the replies, the same
+from run to run); by default when no new request has come for ``wait_s`` seconds. Within a batch
+requests are ordered by episode and call number.
+
+Sampling settings a request carries are honoured within the run's limits: ``max_tokens`` (or
+``max_completion_tokens``) at most the agent's reply limit (larger values are cut to it),
+``temperature`` 0-2, ``top_p`` in (0, 1]; everything else is the run's. Errors are OpenAI-shaped
+JSON (``{"error": {"message", "type", "param", "code"}}``) with a 4xx status, never a crash of the
+run: a wrong or missing key (401), an unknown model (404), a malformed body, ``stream: true``
+(not supported), ``n`` other than 1 or a prompt longer than the model's context (400).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import threading
+import time
+from dataclasses import astuple, dataclass, field, replace
+from typing import Callable
+
+import torch
+
+from .generation import Sampling
+
+
+@dataclass
+class Call:
+    """One chat completion an episode asked for, as the learner needs it."""
+
+    episode: str
+    index: int  # its place among the episode's calls
+    agent: str
+    messages: list[dict]
+    prompt_ids: list[int]
+    response_ids: list[int]  # with the end-of-turn token when the reply ended on one
+    logprobs: list[float]  # behaviour log-probabilities, one per response token
+    truncated: bool
+    text: str
+    sampling: Sampling
+    started: float  # time.monotonic() when the request arrived
+    seconds: float  # until its reply was ready
+
+
+@dataclass
+class _Pending:
+    episode: str
+    index: int
+    agent: str
+    messages: list[dict]
+    sampling: Sampling
+    started: float
+    future: asyncio.Future = field(repr=False)
+
+
+class _Refused(Exception):
+    """A request answered with an OpenAI-style error."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+
+class TeamServer:
+    """An OpenAI-compatible endpoint for the team ``team`` on ``engine`` (see the module docstring).
+
+    ``sampling`` is the run's (its ``max_new_tokens`` the default reply limit; an agent's own
+    ``max_new_tokens`` overrides it); ``tokenizer(agent)`` and ``context(agent)`` give the agent's
+    tokenizer and context length (positions); ``seed`` seeds the sampling generator.
+    Use as a context manager, or :meth:`start` / :meth:`stop`.
+    """
+
+    def __init__(self, team, engine, sampling: Sampling, tokenizer: Callable, context: Callable[[str], int],
+                 api_key: str | None = None, host: str = "127.0.0.1", port: int = 0, seed: int = 0,
+                 ready: Callable[[int], bool] | None = None, wait_s: float = 0.02):
+        self.team, self.engine, self.sampling = team, engine, sampling
+        self.tokenizer, self.context = tokenizer, context
+        self.api_key = api_key or "sk-marft-" + secrets.token_hex(16)
+        self.host, self.port = host, port
+        self.ready, self.wait_s = ready, wait_s
+        self.generator = torch.Generator().manual_seed(seed)
+        self._calls: dict[str, list[Call]] = {}
+        self._counts: dict[str, int] = {}
+        self._pending: list[_Pending] = []
+        self._lock = threading.Lock()  # the records, read from other threads
+        self._server = self._thread = self._loop = self._wake = None
+        self.batches: list[tuple[str, int]] = []  # (agent, size) of every batch generated, in order
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> "TeamServer":
+        import uvicorn
+
+        config = uvicorn.Config(self.app(), host=self.host, port=self.port, log_level="warning", lifespan="on")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="marft-serve", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the endpoint did not start on {self.host}:{self.port}")
+            time.sleep(0.01)
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=10)
+            self._server = None
+
+    def __enter__(self) -> "TeamServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    def base_url(self, episode: str | int) -> str:
+        """The base URL whose calls are recorded under ``episode``."""
+        return f"http://{self.host}:{self.port}/episodes/{episode}/v1"
+
+    def calls(self, episode: str | int = "default") -> list[Call]:
+        """The calls recorded for ``episode``, in the order they were made."""
+        with self._lock:
+            return sorted(self._calls.get(str(episode), []), key=lambda c: c.index)
+
+    def forget(self, episode: str | int) -> None:
+        with self._lock:
+            self._calls.pop(str(episode), None)
+            self._counts.pop(str(episode), None)
+
+    # ---------------------------------------------------------------- the HTTP side
+    def app(self):
+        from starlette.applications import Starlette
+        from starlette.responses import JSONResponse
+        from starlette.routing import Route
+
+        async def guarded(request, handler):
+            try:
+                self._check_key(request)
+                return JSONResponse(await handler(request))
+            except _Refused as e:
+                body = {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}}
+                return JSONResponse(body, status_code=e.status)
+
+        async def models(request):
+            return await guarded(request, self._models)
+
+        async def chat(request):
+            return await guarded(request, self._chat)
+
+        @contextlib.asynccontextmanager
+        async def lifespan(app):
+            self._loop = asyncio.get_running_loop()
+            self._wake = asyncio.Event()
+            worker = asyncio.create_task(self._batcher())
+            yield
+            worker.cancel()
+
+        routes = [Route(p + "/models", models, methods=["GET"]) for p in ("/v1", "/episodes/{episode}/v1")]
+        routes += [Route(p + "/chat/completions", chat, methods=["POST"]) for p in ("/v1", "/episodes/{episode}/v1")]
+        return Starlette(routes=routes, lifespan=lifespan)
+
+    def _check_key(self, request) -> None:
+        got = request.headers.get("authorization", "")
+        if not secrets.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
+            raise _Refused(401, "Incorrect or missing API key: send 'Authorization: Bearer <the run's key>' "
+                                "(the run prints it; a workflow's client has it)", code="invalid_api_key")
+
+    async def _models(self, request) -> dict:
+        return {"object": "list", "data": [{"id": a, "object": "model", "created": 0, "owned_by": "marft"}
+                                           for a in self.team.names]}
+
+    async def _chat(self, request) -> dict:
+        try:
+            body = json.loads(await request.body())
+        except ValueError as e:
+            raise _Refused(400, f"the request body is not JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise _Refused(400, "the request body must be a JSON object")
+        agent = body.get("model")
+        if agent not in self.team.names:
+            raise _Refused(404, f"The model {agent!r} does not exist: this team's models are its agents, "
+                                f"{', '.join(self.team.names)}", param="model", code="model_not_found")
+        if body.get("stream"):
+            raise _Refused(400, "streaming is not supported by marft's endpoint; send stream: false", param="stream")
+        if body.get("n", 1) != 1:
+            raise _Refused(400, f"n must be 1 (one reply per request), got {body.get('n')!r}", param="n")
+        messages = _messages(body.get("messages"))
+        sampling = self._sampling(agent, body)
+        ids = self.tokenizer(agent).apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        limit = self.context(agent)
+        if len(ids) + sampling.max_new_tokens > limit:
+            raise _Refused(400, f"This model's maximum context length is {limit} tokens; the messages take "
+                                f"{len(ids)} and the reply up to {sampling.max_new_tokens}. Shorten the messages.",
+                           param="messages", code="context_length_exceeded")
+        episode = request.path_params.get("episode", "default")
+        with self._lock:
+            index = self._counts.get(episode, 0)
+            self._counts[episode] = index + 1
+        pending = _Pending(episode, index, agent, messages, sampling, time.monotonic(),
+                           asyncio.get_running_loop().create_future())
+        self._pending.append(pending)
+        self._wake.set()
+        call: Call = await pending.future
+        return {
+            "id": f"chatcmpl-{episode}-{index}", "object": "chat.completion", "created": int(time.time()),
+            "model": agent,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": call.text},
+                         "finish_reason": "length" if call.truncated else "stop", "logprobs": None}],
+            "usage": {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(call.response_ids),
+                      "total_tokens": len(call.prompt_ids) + len(call.response_ids)},
+        }
+
+    def _sampling(self, agent: str, body: dict) -> Sampling:
+        cap = self.team[agent].max_new_tokens or self.sampling.max_new_tokens
+        s = replace(self.sampling, max_new_tokens=cap)
+        wanted = body.get("max_completion_tokens", body.get("max_tokens"))
+        if wanted is not None:
+            if isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 1:
+                raise _Refused(400, f"max_tokens must be a positive whole number, got {wanted!r}", param="max_tokens")
+            s = replace(s, max_new_tokens=min(wanted, cap))
+        for key, lo, hi, name in (("temperature", 0.0, 2.0, "temperature"), ("top_p", 0.0, 1.0, "top_p")):
+            v = body.get(key)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi or (key == "top_p" and v == 0):
+                raise _Refused(400, f"{key} must be a number in {'(0, 1]' if key == 'top_p' else '[0, 2]'}, got {v!r}",
+                               param=key)
+            s = replace(s, **{name: float(v)})
+        return s
+
+    # ---------------------------------------------------------------- the batching side
+    async def _batcher(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if not self._pending:
+                continue
+            if self.ready is not None:
+                if not self.ready(len(self._pending)):
+                    continue
+            else:  # wait until no new request has come for wait_s
+                seen = -1
+                while seen != len(self._pending):
+                    seen = len(self._pending)
+                    await asyncio.sleep(self.wait_s)
+            batch, self._pending = self._pending, []
+            groups: dict[tuple, list[_Pending]] = {}
+            for p in sorted(batch, key=lambda p: (p.episode, p.index)):
+                groups.setdefault((p.agent, astuple(p.sampling)), []).append(p)
+            for (agent, _), group in groups.items():
+                sampling = group[0].sampling
+                try:
+                    out = await loop.run_in_executor(None, self._generate, agent, sampling, group)
+                except Exception as e:  # noqa: BLE001 - the requests fail, the endpoint goes on
+                    for p in group:
+                        p.future.set_exception(_Refused(500, f"generation failed: {type(e).__name__}: {e}",
+                                                        kind="server_error"))
+                    continue
+                for p, call in zip(group, out):
+                    with self._lock:
+                        self._calls.setdefault(p.episode, []).append(call)
+                    p.future.set_result(call)
+            if self._pending:
+                self._wake.set()
+
+    def _generate(self, agent: str, sampling: Sampling, group: list[_Pending]) -> list[Call]:
+        out = self.engine.generate(agent, [p.messages for p in group], sampling, self.generator)
+        self.batches.append((agent, len(group)))
+        done = time.monotonic()
+        calls = []
+        for row, p in enumerate(group):
+            prompt = out.prompt_ids[row][out.prompt_mask[row]].tolist()
+            mask = out.response_mask[row]
+            calls.append(Call(p.episode, p.index, agent, p.messages, prompt, out.response_ids[row][mask].tolist(),
+                              out.logprobs[row][mask].tolist(), bool(out.truncated[row]), out.texts[row], sampling,
+                              p.started, done - p.started))
+        return calls
+
+
+def _messages(messages) -> list[dict]:
+    """The chat as plain {role, content} text messages, or a 400 saying what is wrong."""
+    if not isinstance(messages, list) or not messages:
+        raise _Refused(400, "messages must be a non-empty list of {role, content} objects", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
+            raise _Refused(400, f"messages[{i}] must be an object with role system, user or assistant",
+                           param=f"messages[{i}].role")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str) for c in content):
+                raise _Refused(400, f"messages[{i}].content: only text parts are supported",
+                               param=f"messages[{i}].content")
+            content = "".join(c["text"] for c in content)
+        if not isinstance(content, str):
+            raise _Refused(400, f"messages[{i}].content must be text", param=f"messages[{i}].content")
+        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+    return out
+
+
+def serve_team(models, team, engine, sampling: Sampling, **kw) -> TeamServer:
+    """A :class:`TeamServer` for a :class:`marft.models.TeamModel`'s team (tokenizers and context
+    lengths from its base models)."""
+
+    def tokenizer(agent: str):
+        return models.for_agent(agent)[1]
+
+    def context(agent: str) -> int:
+        model = models.for_agent(agent)[0]
+        return int(getattr(model.config, "max_position_embeddings", 0) or 2**31)
+
+    return TeamServer(team, engine, sampling, tokenizer, context, **kw)

@@ -1,0 +1,157 @@
+"""The team behind an OpenAI-compatible endpoint (marft/serve.py), through the real `openai`
+client and plain HTTP: agents as models, every call recorded as the learner needs it, replies
+equal to the engine's own for the same chats and seed, batching, and OpenAI-style 4xx errors that
+leave the endpoint serving."""
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+
+from marft.api import prepare  # noqa: E402
+from marft.config import load_config  # noqa: E402
+from marft.engines import make_engine  # noqa: E402
+from marft.generation import Sampling  # noqa: E402
+from marft.serve import serve_team  # noqa: E402
+
+SAMPLING = Sampling(temperature=1.0, max_new_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def team_parts(tiny_model_dir, tmp_path_factory):
+    cfg = load_config("configs/duo_arithmetic.yaml", [f"model.name={tiny_model_dir}", "model.dtype=float32",
+                                                      "model.device=cpu", f"output_dir={tmp_path_factory.mktemp('r')}",
+                                                      "team.max_new_tokens={planner: 4}"])
+    team, models, _ = prepare(cfg)
+    return team, models, make_engine(cfg, models)
+
+
+@pytest.fixture
+def server(team_parts):
+    team, models, engine = team_parts
+    with serve_team(models, team, engine, SAMPLING, seed=7) as s:
+        yield s
+
+
+def chat(text: str) -> list[dict]:
+    return [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
+
+
+def test_agents_are_models_and_calls_are_recorded_as_the_engine_replies(server, team_parts):
+    team, models, engine = team_parts
+    client = openai.OpenAI(base_url=server.base_url("ep0"), api_key=server.api_key)
+    assert [m.id for m in client.models.list().data] == ["planner", "solver"]
+    r = client.chat.completions.create(model="solver", messages=chat("Calculate 1 + 2."))
+    (call,) = server.calls("ep0")
+    assert r.choices[0].message.content == call.text and r.model == "solver"
+    assert r.usage.prompt_tokens == len(call.prompt_ids) and r.usage.completion_tokens == len(call.response_ids)
+    assert r.choices[0].finish_reason == ("length" if call.truncated else "stop")
+    assert len(call.logprobs) == len(call.response_ids) > 0 and all(lp <= 0 for lp in call.logprobs)
+    # the same chat through the engine with the same seed: the same tokens and log-probabilities
+    out = engine.generate("solver", [chat("Calculate 1 + 2.")], SAMPLING, torch.Generator().manual_seed(7))
+    assert call.prompt_ids == out.prompt_ids[0][out.prompt_mask[0]].tolist()
+    assert call.response_ids == out.response_ids[0][out.response_mask[0]].tolist()
+    assert call.logprobs == pytest.approx(out.logprobs[0][out.response_mask[0]].tolist())
+    # the planner's own reply limit (4) caps a larger max_tokens; the call order is kept per episode
+    client.chat.completions.create(model="planner", messages=chat("Plan."), max_tokens=50, temperature=0.5)
+    first, second = server.calls("ep0")
+    assert (first.index, second.index, second.agent) == (0, 1, "planner")
+    assert second.sampling.max_new_tokens == 4 and second.sampling.temperature == 0.5
+    assert len(second.response_ids) <= 4
+    assert server.calls("other") == []
+
+
+def test_concurrent_requests_are_generated_as_one_batch_per_agent(team_parts):
+    team, models, engine = team_parts
+    with serve_team(models, team, engine, SAMPLING, ready=lambda n: n == 4) as server:
+        def ask(i):
+            c = openai.OpenAI(base_url=server.base_url(f"e{i}"), api_key=server.api_key)
+            c.chat.completions.create(model="solver" if i % 2 else "planner", messages=chat(f"Calculate {i} + 1."))
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert sorted(server.batches) == [("planner", 2), ("solver", 2)]
+        assert all(len(server.calls(f"e{i}")) == 1 for i in range(4))
+
+
+def _post(server, body, key=None, path="/v1/chat/completions"):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://{server.host}:{server.port}{path}", data=data, method="POST",
+                                 headers={"Authorization": f"Bearer {key or server.api_key}",
+                                          "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.parametrize("body,key,status,code_or_param", [
+    ({"model": "solver", "messages": chat("x")}, "sk-wrong", 401, "invalid_api_key"),
+    ({"model": "nobody", "messages": chat("x")}, None, 404, "model_not_found"),
+    (b"{not json", None, 400, None),
+    ([1, 2], None, 400, None),
+    ({"model": "solver"}, None, 400, "messages"),
+    ({"model": "solver", "messages": [{"role": "robot", "content": "x"}]}, None, 400, "messages[0].role"),
+    ({"model": "solver", "messages": [{"role": "user", "content": 3}]}, None, 400, "messages[0].content"),
+    ({"model": "solver", "messages": chat("x"), "stream": True}, None, 400, "stream"),
+    ({"model": "solver", "messages": chat("x"), "n": 2}, None, 400, "n"),
+    ({"model": "solver", "messages": chat("x"), "temperature": 9}, None, 400, "temperature"),
+    ({"model": "solver", "messages": chat("x"), "max_tokens": 0}, None, 400, "max_tokens"),
+    ({"model": "solver", "messages": chat("word " * 3000)}, None, 400, "context_length_exceeded"),
+])
+def test_bad_requests_get_openai_errors_and_the_endpoint_goes_on(server, body, key, status, code_or_param):
+    got, reply = _post(server, body, key)
+    assert got == status, reply
+    err = reply["error"]
+    assert err["message"] and err["type"] == "invalid_request_error"
+    if code_or_param:
+        assert code_or_param in (err["code"], err["param"])
+    ok, reply = _post(server, {"model": "solver", "messages": chat("Calculate 2 + 2.")})
+    assert ok == 200 and reply["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_the_key_guards_every_route_and_the_server_binds_locally(server):
+    req = urllib.request.Request(f"http://{server.host}:{server.port}/v1/models")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 401
+    assert server.host == "127.0.0.1" and server.api_key.startswith("sk-marft-") and len(server.api_key) > 30
+
+
+def test_marft_serve_command_serves_until_interrupted(tiny_model_dir, tmp_path):
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(sys.executable).parent / "marft"
+    args = [str(script), "serve", "configs/duo_arithmetic.yaml", f"model.name={tiny_model_dir}", "model.dtype=float32",
+            "model.device=cpu", "rollout.max_new_tokens=4", f"output_dir={tmp_path}", "--port", "0"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "MARFT_API_KEY": "sk-test-key"})
+    try:
+        line = proc.stdout.readline()
+        m = re.match(r"marft serve: planner, solver at (http://127\.0\.0\.1:\d+/v1) \(API key: sk-test-key\)", line)
+        assert m, (line, proc.stderr.read() if proc.poll() is not None else "")
+        client = openai.OpenAI(base_url=m.group(1), api_key="sk-test-key")
+        r = client.chat.completions.create(model="solver", messages=chat("Calculate 1 + 1."))
+        assert r.usage.completion_tokens <= 4  # the solver's limit: rollout.max_new_tokens
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=m.group(1), api_key="sk-other").models.list()
+        port = int(m.group(1).split(":")[2].split("/")[0])
+        taken = subprocess.run([*args[:-1], str(port)], capture_output=True, text=True, timeout=120)
+        assert taken.returncode == 2 and "choose another --port" in taken.stderr.splitlines()[-1]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
