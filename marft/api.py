@@ -210,10 +210,19 @@ def evaluate(config: RunConfig, adapters: str | Path | None = None, without: Ite
 
 
 def adapters_folder(source: str | Path) -> Path:
-    """The ``adapters/`` folder of a run folder (its latest checkpoint), of a checkpoint, or itself."""
+    """The ``adapters/`` folder of a run folder (its latest checkpoint), of a checkpoint, or itself.
+    A path through ``checkpoints/latest`` (a file naming the newest checkpoint, not a folder) goes
+    to that checkpoint: ``run/checkpoints/latest/adapters`` works."""
     from .checkpoints import latest_checkpoint
 
     p = Path(source)
+    for i, part in enumerate(p.parts):
+        head = Path(*p.parts[:i + 1])
+        if part == "latest" and head.is_file() and head.parent.name == "checkpoints":
+            target = latest_checkpoint(head.parent.parent)
+            if target is not None:
+                p = target.joinpath(*p.parts[i + 1:])
+            break
     if (p / "checkpoints").is_dir():
         ckpt = latest_checkpoint(p)
         if ckpt is None:

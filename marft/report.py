@@ -68,6 +68,7 @@ class RunInfo:
     metrics: list[dict] = field(default_factory=list)
     graded: str | None = None  # the last answering agent (its answer decides success), from config.yaml
     steps_per_iteration: int | None = None  # optimiser steps per agent per iteration, from config.yaml
+    machines: list[str] = field(default_factory=list)  # where it ran (machine.json, or the sweep's record)
 
 
 def _read_json(path: Path):
@@ -107,6 +108,24 @@ def _labels_from_config(folder: Path) -> tuple[dict[str, str], str, int, str, in
             build_team(cfg.team).answering[-1], steps)
 
 
+def _machines(folder: Path) -> list[str]:
+    """Where a run ran, one line per machine: from ``machine.json`` (CPU, fast bf16, GPU, device,
+    dtype), else from the sweep's ``sweep_run.json`` (CPU only; older runs)."""
+    records = _read_json(folder / "machine.json")
+    if isinstance(records, list) and records:
+        out = []
+        for m in records:
+            bf16 = "AMX" if "amx_bf16" in (m.get("cpu_bf16") or []) else (
+                "AVX-512 BF16" if m.get("cpu_bf16") else "no bf16 instructions")
+            where = m.get("gpu") or f"{m.get('cpu', '?')} ({bf16}, {m.get('cpu_cores', '?')} cores)"
+            line = f"{where}, {m.get('device', '?')}, {m.get('dtype', '?')}"
+            if line not in out:
+                out.append(line)
+        return out
+    swept = _read_json(folder / "sweep_run.json")
+    return list(swept.get("machines") or []) if isinstance(swept, dict) else []
+
+
 def _load_run(folder: Path, labels: dict | None, status: str | None) -> RunInfo:
     planned_iters = graded = steps = None
     seed = None
@@ -126,6 +145,7 @@ def _load_run(folder: Path, labels: dict | None, status: str | None) -> RunInfo:
     if not folder.is_dir():
         run.status = "not started" if not status or status == "pending" else f"missing (the sweep recorded: {status})"
         return run
+    run.machines = _machines(folder)
     run.final = _read_json(folder / "eval_final.json")
     run.untrained = _read_json(folder / "eval_untrained.json")
     run.metrics = _metrics(folder / "metrics.jsonl")
@@ -350,7 +370,19 @@ def build_report(runs: list[RunInfo]) -> dict:
     return {"groups": rows, "comparisons": comparisons(rows), "speed_comparisons": comparisons(rows, "speed"),
             "speed_threshold": SPEED_THRESHOLD, "speed_window": SPEED_WINDOW, "each_run": each, "graded_cut_vs_accuracy": cut,
             "runs": len(runs), "complete": sum(r.final is not None for r in runs),
-            "train_minutes": train_s / 60, "eval_minutes": eval_s / 60}
+            "train_minutes": train_s / 60, "eval_minutes": eval_s / 60,
+            "machines": _machine_counts(runs)}
+
+
+def _machine_counts(runs: list[RunInfo]) -> dict[str, int]:
+    """How many runs (with any result) ran on each machine; "not recorded" for those that say nothing."""
+    counts: dict[str, int] = {}
+    for r in runs:
+        if r.final is None and not r.metrics:
+            continue
+        for m in r.machines or ["not recorded"]:
+            counts[m] = counts.get(m, 0) + 1
+    return counts
 
 
 def _pct(x) -> str:
@@ -378,7 +410,9 @@ def to_markdown(report: dict, plots: list[str]) -> str:
              "runs as the units (where another run of the recipe may land: compare recipes by this one).",
              f"Time in the runs: {report['train_minutes'] + report['eval_minutes']:.0f} min "
              f"(training {report['train_minutes']:.0f}, evaluation {report['eval_minutes']:.0f}; the runs' own timings, "
-             "summed; model loading not included).", ""]
+             "summed; model loading not included).",
+             "Machines: " + ("; ".join(f"{m}: {n} run{'s' if n != 1 else ''}" for m, n in report.get("machines", {}).items())
+                             or "none recorded") + ".", ""]
     head = [*axes, "runs", "untrained", "untrained 95% CI", "final", "per seed", "final 95% CI (problems)",
             "final 95% CI (seeds)", "change", "train min/run"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -169,6 +169,9 @@ def test_evaluate_with_adapters_equals_the_runs_final_evaluation(vowel, tmp_path
     assert again["per_problem_success"] == result.final["per_problem_success"]
     assert again["transcripts"] == result.final["transcripts"]
     assert json.loads((tmp_path / "e" / "eval.json").read_text())["accuracy"] == again["accuracy"]
+    # the path the README gives, through the checkpoints/latest pointer file
+    latest = marft.evaluate(config, adapters=result.run_dir / "checkpoints" / "latest" / "adapters")
+    assert latest["per_problem_success"] == result.final["per_problem_success"]
     untrained = marft.evaluate(config)
     assert untrained["per_problem_success"] == result.untrained["per_problem_success"]
 

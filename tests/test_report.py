@@ -258,3 +258,17 @@ def test_learning_speed_by_hand(tmp_path):
     assert rows["marft"]["speed"]["steps_to"] == [12, 12] and rows["ippo"]["speed"]["steps_to"] == [None, None]
     (c,) = report["speed_comparisons"]
     assert (c["a"], c["b"]) == ("marft", "ippo") and c["diff"] == pytest.approx(2.0 / 7)
+
+
+def test_the_report_says_where_the_runs_ran(tmp_path):
+    make_run(tmp_path / "a", 0, final=[1, 0])
+    make_run(tmp_path / "b", 1, final=[1, 1])
+    make_run(tmp_path / "c", 2, final=[0, 0])
+    (tmp_path / "a" / "machine.json").write_text(json.dumps([{"cpu": "Intel Xeon", "cpu_cores": 2, "cpu_bf16": ["amx_bf16"],
+                                                               "gpu": None, "device": "cpu", "dtype": "bfloat16"}]))
+    (tmp_path / "b" / "sweep_run.json").write_text(json.dumps({"labels": {"seed": "1"}, "machines": ["AMD EPYC, 2 cores"]}))
+    report = build_report(find_runs([str(tmp_path)]))
+    assert report["machines"] == {"Intel Xeon (AMX, 2 cores), cpu, bfloat16": 1, "AMD EPYC, 2 cores": 1, "not recorded": 1}
+    from marft.report import to_markdown
+    assert "Machines: Intel Xeon (AMX, 2 cores), cpu, bfloat16: 1 run; AMD EPYC, 2 cores: 1 run; not recorded: 1 run." \
+        in to_markdown(report, [])
