@@ -149,3 +149,21 @@ def test_marft_eval_on_the_vllm_engine_scores_as_the_hf_engine(setup, tmp_path, 
     assert [[x["reply"] for x in t["turns"]] for t in hf["transcripts"]] == \
            [[x["reply"] for x in t["turns"]] for t in vl["transcripts"]]
     assert hf["generated_tokens"] == vl["generated_tokens"] > 0
+
+
+def test_the_endpoint_serves_the_team_through_the_vllm_engine(setup):
+    """marft/serve.py on the vLLM engine: each agent answers with its own adapter, as the engine
+    itself replies (greedy), and the call is recorded with its token ids and log-probabilities."""
+    openai = pytest.importorskip("openai")
+    from marft.serve import serve_team
+
+    team, models, engine = setup
+    with serve_team(models, team, engine, GREEDY) as server:
+        client = openai.OpenAI(base_url=server.base_url("e"), api_key=server.api_key)
+        for agent in team.names:
+            r = client.chat.completions.create(model=agent, messages=CHATS[1], temperature=0.0)
+            direct = engine.generate(agent, [CHATS[1]], GREEDY, torch.Generator().manual_seed(0))
+            assert r.choices[0].message.content == direct.texts[0]
+        calls = server.calls("e")
+        assert [c.agent for c in calls] == team.names
+        assert all(len(c.logprobs) == len(c.response_ids) > 0 for c in calls)
