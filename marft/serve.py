@@ -15,7 +15,9 @@ Batching: requests are collected and generated together, one batch per agent and
 setting, by one worker (the engine runs one batch at a time). A batch starts when ``ready(n)``
 says so for the ``n`` requests waiting (a workflow runner that knows how many episodes are in
 flight makes it "every episode is waiting", which makes the batches, and so the replies, the same
-from run to run); by default when no new request has come for ``wait_s`` seconds. Within a batch
+from run to run), or when a request has waited ``patience_s`` (an episode busy elsewhere, with a
+tool, does not hold the others back for ever); without ``ready``, when no new request has come
+for ``wait_s`` seconds. Within a batch
 requests are ordered by episode and call number.
 
 Sampling settings a request carries are honoured within the run's limits: ``max_tokens`` (or
@@ -90,12 +92,12 @@ class TeamServer:
 
     def __init__(self, team, engine, sampling: Sampling, tokenizer: Callable, context: Callable[[str], int],
                  api_key: str | None = None, host: str = "127.0.0.1", port: int = 0, seed: int = 0,
-                 ready: Callable[[int], bool] | None = None, wait_s: float = 0.02):
+                 ready: Callable[[int], bool] | None = None, wait_s: float = 0.02, patience_s: float = 5.0):
         self.team, self.engine, self.sampling = team, engine, sampling
         self.tokenizer, self.context = tokenizer, context
         self.api_key = api_key or "sk-marft-" + secrets.token_hex(16)
         self.host, self.port = host, port
-        self.ready, self.wait_s = ready, wait_s
+        self.ready, self.wait_s, self.patience_s = ready, wait_s, patience_s
         self.generator = torch.Generator().manual_seed(seed)
         self._calls: dict[str, list[Call]] = {}
         self._counts: dict[str, int] = {}
@@ -144,6 +146,11 @@ class TeamServer:
         """The calls recorded for ``episode``, in the order they were made."""
         with self._lock:
             return sorted(self._calls.get(str(episode), []), key=lambda c: c.index)
+
+    def poke(self) -> None:
+        """Something ``ready`` reads changed (an episode ended): look at the waiting requests again."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
 
     def forget(self, episode: str | int) -> None:
         with self._lock:
@@ -256,12 +263,16 @@ class TeamServer:
     async def _batcher(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            await self._wake.wait()
+            try:  # with ready, a request that waits longer than patience_s goes anyway
+                await asyncio.wait_for(self._wake.wait(), timeout=self.patience_s if self._pending else None)
+            except asyncio.TimeoutError:
+                pass
             self._wake.clear()
             if not self._pending:
                 continue
             if self.ready is not None:
-                if not self.ready(len(self._pending)):
+                waited = time.monotonic() - min(p.started for p in self._pending)
+                if not self.ready(len(self._pending)) and waited < self.patience_s:
                     continue
             else:  # wait until no new request has come for wait_s
                 seen = -1

@@ -1,0 +1,150 @@
+"""Agent programs of your own as marft episodes: run a workflow per episode against the team's
+endpoint (:mod:`marft.serve`) and build the rollout the learner trains on from its calls.
+
+A workflow is ``workflow(problem, client) -> answer`` (a plain function or ``async def``):
+``problem`` a dict (the problem's record; ``problem["prompt"]`` its text), ``client`` an
+``openai.OpenAI`` client (``openai.AsyncOpenAI`` for an ``async def``) whose base URL records the
+calls under this episode; each agent is the model named as the agent. The workflow decides who is
+called, how often, in which order, with which messages. Its answer is scored by
+``reward(answer, problem)``: a number for the team, or ``{agent: number}`` per agent.
+
+From the recorded calls (:func:`calls_to_rollout`), Flex-MG's micro-steps in call order: the j-th
+call of agent i in an episode is agent i's action at step t = j; the centralised critic's state
+before a call is the problem and every earlier reply of the episode (``"Problem: ..."`` then one
+``"[step t] agent: reply"`` line each, the shape of :meth:`marft.envs.base.TurnBasedEnv.state`);
+the reward comes at the episode's last step. An episode whose workflow raises, runs past
+``timeout_s`` or calls no agent is left out (``failed``) and counted; the others go on.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from .engines.base import Reply, pack
+from .rollout import Rollout, Turn
+
+
+def play_workflows(team, server, workflow: Callable, problems: list[dict], reward: Callable,
+                   timeout_s: float = 300.0, success_threshold: float = 1.0) -> Rollout:
+    """Run ``workflow`` once per problem, all at once, against ``server`` (a started
+    :class:`marft.serve.TeamServer`); return the rollout of their calls."""
+    import openai
+
+    E = len(problems)
+    ids = [f"{e:06d}" for e in range(E)]  # sorted as numbers: the batches keep episode order
+    answers: list = [None] * E
+    errors: list[str | None] = [None] * E
+    running = {"n": E}
+    lock = threading.Lock()
+    server.ready = lambda n: n >= running["n"]
+    server.patience_s = min(server.patience_s, timeout_s / 4)  # an episode busy elsewhere holds the rest back at most this
+    is_async = inspect.iscoroutinefunction(workflow)
+
+    def finish() -> None:
+        with lock:
+            running["n"] -= 1
+        server.poke()
+
+    def one(e: int) -> None:
+        try:
+            if is_async:
+                async def go():
+                    async with openai.AsyncOpenAI(base_url=server.base_url(ids[e]), api_key=server.api_key,
+                                                  max_retries=0, timeout=timeout_s) as client:
+                        return await workflow(problems[e], client)
+                answers[e] = asyncio.run(go())
+            else:
+                with openai.OpenAI(base_url=server.base_url(ids[e]), api_key=server.api_key, max_retries=0,
+                                   timeout=timeout_s) as client:
+                    answers[e] = workflow(problems[e], client)
+        except Exception as err:  # noqa: BLE001 - the user's program failed: this episode only
+            errors[e] = f"the workflow raised {type(err).__name__}: {err}"
+        finally:
+            finish()
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(e,), daemon=True, name=f"marft-workflow-{e}") for e in range(E)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout_s
+    for e, t in enumerate(threads):
+        t.join(max(0.0, deadline - time.monotonic()))
+        if t.is_alive():  # abandoned: it no longer holds the batches back
+            errors[e] = f"the workflow ran past {timeout_s:g} s (timeout)"
+            finish()
+    seconds = time.perf_counter() - start
+    calls = [server.calls(i) for i in ids]
+    for i in ids:
+        server.forget(i)
+    scores = []
+    for e in range(E):
+        if errors[e] is None and not calls[e]:
+            errors[e] = "the workflow called no agent"
+        score = None
+        if errors[e] is None:
+            try:
+                score = reward(answers[e], problems[e])
+            except Exception as err:  # noqa: BLE001
+                errors[e] = f"the reward function raised {type(err).__name__}: {err}"
+        scores.append(score)
+    out = calls_to_rollout(team, problems, calls, scores, errors, success_threshold, answers)
+    out.seconds = seconds
+    return out
+
+
+def calls_to_rollout(team, problems: list[dict], calls: list[list], scores: list, errors: list[str | None],
+                     success_threshold: float = 1.0, answers: list | None = None) -> Rollout:
+    """The rollout of recorded calls (:class:`marft.serve.Call`, one list per episode in call
+    order): one :class:`Turn` per (step, agent) with that micro-step's episodes in episode order;
+    ``scores[e]`` the episode's reward (a number, or ``{agent: number}``), given at its last step."""
+    names = team.names
+    E, N = len(problems), len(names)
+    failed = torch.tensor([err is not None for err in errors], dtype=torch.bool)
+    rows: dict[tuple[int, str], list[tuple[int, Reply, str]]] = {}
+    steps = torch.zeros(E, dtype=torch.long)
+    for e in range(E):
+        if failed[e]:
+            steps[e] = 1
+            continue
+        seen: dict[str, int] = {}
+        state = f"Problem: {problems[e].get('prompt', '')}"
+        for c in calls[e]:
+            t = seen.get(c.agent, 0)
+            seen[c.agent] = t + 1
+            rows.setdefault((t, c.agent), []).append(
+                (e, Reply(c.prompt_ids, c.response_ids, c.logprobs, c.truncated, c.text), state))
+            state += f"\n[step {t}] {c.agent}: {c.text}"
+        steps[e] = max(seen.values())
+    H = max(int(steps.max()) if E else 1, 1)
+    rewards, agent_rewards = torch.zeros(E, H), torch.zeros(E, H, N)
+    dones = torch.zeros(E, H, dtype=torch.bool)
+    success, extracted = torch.zeros(E, dtype=torch.bool), torch.zeros(E, dtype=torch.bool)
+    infos: list[dict] = []
+    for e in range(E):
+        last = int(steps[e]) - 1
+        dones[e, last] = True
+        if failed[e]:
+            infos.append({"success": False, "extracted": False, "error": errors[e]})
+            continue
+        s = scores[e]
+        per = [float(s.get(a, 0.0)) for a in names] if isinstance(s, dict) else [float(s)] * N
+        agent_rewards[e, last] = torch.tensor(per)
+        rewards[e, last] = sum(per) / N
+        success[e] = rewards[e, last] >= success_threshold
+        extracted[e] = answers is None or answers[e] is not None
+        infos.append({"success": bool(success[e]), "extracted": bool(extracted[e]),
+                      "answer": None if answers is None else answers[e]})
+    turns = []
+    order = {a: i for i, a in enumerate(names)}
+    for (t, agent) in sorted(rows, key=lambda k: (k[0], order[k[1]])):
+        got = sorted(rows[(t, agent)], key=lambda x: x[0])
+        out = pack([r for _, r, _ in got], 0)
+        turns.append(Turn(t, agent, torch.tensor([e for e, _, _ in got], dtype=torch.long), out.prompt_ids,
+                          out.prompt_mask, out.response_ids, out.response_mask, out.logprobs, out.truncated,
+                          out.texts, [s for _, _, s in got]))
+    return Rollout(turns, rewards, agent_rewards, dones, steps, success, extracted, infos=infos, failed=failed)

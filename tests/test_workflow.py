@@ -1,0 +1,138 @@
+"""Agent programs as episodes (marft/workflow.py): the default duo written as a plain `openai`-client
+workflow, served through the real HTTP endpoint, gives the same rollout as the built-in team
+(the same prompt and reply token ids, log-probabilities, critic states and rewards); a workflow the
+config cannot express (parallel calls, then a loop) becomes micro-steps in call order; failing,
+hanging and idle workflows fail alone."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("openai")
+
+from test_rollout import EchoEnv, make, perturb  # noqa: E402
+from marft.engines.hf import HFEngine  # noqa: E402
+from marft.generation import Sampling  # noqa: E402
+from marft.rollout import rollout  # noqa: E402
+from marft.serve import serve_team  # noqa: E402
+from marft.workflow import play_workflows  # noqa: E402
+
+SAMPLING = Sampling(temperature=1.0, max_new_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def duo(tiny_model_dir):
+    cfg, team, models = make(["team.max_new_tokens={planner: 5}"], tiny_model_dir)
+    for k, adapter in enumerate(team.adapters):
+        perturb(models, adapter, seed=k)
+    return team, models, HFEngine(models)
+
+
+def problems_of(team, n):
+    """Each problem's record: its text and what each agent is shown (the environment's observations)."""
+    out, envs = [], []
+    for i in range(n):
+        env = EchoEnv(team.names, team.answering, 1)
+        env.reset(seed=i, options={"split": "test", "index": i})
+        out.append({"prompt": env.problem.prompt, "answer": env.problem.answer, "index": i,
+                    **{a: env.observe(a) for a in team.names}})
+        envs.append(env)
+    return out, envs
+
+
+def test_the_default_duo_as_a_workflow_gives_the_built_in_rollout(duo):
+    team, models, engine = duo
+    planner, solver = team["planner"], team["solver"]
+
+    def workflow(problem, client):  # the duo, as a user would write it with the openai client
+        plan = client.chat.completions.create(model="planner", messages=[
+            {"role": "system", "content": planner.prompt}, {"role": "user", "content": problem["planner"]}])
+        text = plan.choices[0].message.content
+        answer = client.chat.completions.create(model="solver", messages=[
+            {"role": "system", "content": solver.prompt},
+            {"role": "user", "content": problem["solver"] + "\n\nMessages from your teammates:\n[planner]\n" + text.strip()}])
+        return answer.choices[0].message.content
+
+    n = 5
+    problems, envs = problems_of(team, n)
+    built_in = rollout(team, engine, lambda: EchoEnv(team.names, team.answering, 1),
+                       [(i, {"split": "test", "index": i}) for i in range(n)], SAMPLING, 1, torch.Generator().manual_seed(3))
+    with serve_team(models, team, engine, SAMPLING) as server:
+        server.generator = torch.Generator().manual_seed(3)
+        def reward(answer, problem):  # the environment's own grader
+            env = envs[problem["index"]]
+            return float(env.grade(env.problem, answer).correct)
+
+        ours = play_workflows(team, server, workflow, problems, reward)
+        assert server.batches == [("planner", n), ("solver", n)]  # every episode waited for the batch
+    assert [(t.step, t.agent) for t in ours.turns] == [(t.step, t.agent) for t in built_in.turns]
+    for a, b in zip(ours.turns, built_in.turns):
+        assert torch.equal(a.episodes, b.episodes)
+        for r in range(len(a.episodes)):
+            assert a.prompt_ids[r][a.prompt_mask[r]].tolist() == b.prompt_ids[r][b.prompt_mask[r]].tolist()
+            assert a.response_ids[r][a.response_mask[r]].tolist() == b.response_ids[r][b.response_mask[r]].tolist()
+            assert torch.equal(a.logprobs[r][a.response_mask[r]], b.logprobs[r][b.response_mask[r]])
+        assert a.texts == b.texts and a.states == b.states and torch.equal(a.truncated, b.truncated)
+    assert torch.equal(ours.rewards, built_in.rewards) and torch.equal(ours.dones, built_in.dones)
+    assert torch.equal(ours.success, built_in.success) and torch.equal(ours.steps, built_in.steps)
+
+
+def test_parallel_calls_then_a_loop_become_micro_steps_in_call_order(duo):
+    team, models, engine = duo
+    from concurrent.futures import ThreadPoolExecutor
+
+    def workflow(problem, client):
+        ask = lambda agent, text: client.chat.completions.create(  # noqa: E731
+            model=agent, messages=[{"role": "user", "content": text}]).choices[0].message.content
+        with ThreadPoolExecutor(2) as pool:  # two planners' views at once
+            views = list(pool.map(lambda k: ask("planner", f"{problem['prompt']} View {k}."), range(2)))
+        answer, tries = "", 0
+        while tries < 3 and problem["answer"] not in answer:  # the solver again until the check passes
+            answer = ask("solver", problem["prompt"] + " " + " ".join(views))
+            tries += 1
+        return answer
+
+    problems, _ = problems_of(team, 3)
+    with serve_team(models, team, engine, SAMPLING) as server:
+        out = play_workflows(team, server, workflow, problems, lambda a, p: float(p["answer"] in a))
+    assert not out.failed.any()
+    planner_steps = sorted({t.step for t in out.turns if t.agent == "planner"})
+    assert planner_steps == [0, 1]  # the two parallel calls: the planner's steps 0 and 1
+    solver_calls = {e: sum(1 for t in out.turns if t.agent == "solver" and e in t.episodes.tolist()) for e in range(3)}
+    assert all(1 <= c <= 3 for c in solver_calls.values())
+    for e in range(3):
+        last = int(out.steps[e]) - 1
+        assert out.dones[e, last] and out.dones[e].sum() == 1
+        assert out.rewards[e, last] == float(out.success[e])
+    # the critic's state before a call holds every earlier reply of the episode
+    later = [t for t in out.turns if t.agent == "solver"][0]
+    assert all(s.startswith("Problem: Compute") and s.count("[step") == 2 for s in later.states)
+
+
+def test_failing_hanging_and_idle_workflows_fail_alone(duo):
+    team, models, engine = duo
+
+    def workflow(problem, client):
+        i = int(problem["prompt"].split()[1])
+        if i == 1:
+            raise ValueError("my tool broke")
+        if i == 2:
+            time.sleep(30)
+        if i == 3:
+            return "nothing asked"
+        return client.chat.completions.create(model="solver", messages=[{"role": "user", "content": problem["prompt"]}]
+                                              ).choices[0].message.content
+
+    problems, _ = problems_of(team, 5)
+    t0 = time.monotonic()
+    with serve_team(models, team, engine, SAMPLING) as server:
+        out = play_workflows(team, server, workflow, problems, lambda a, p: 1.0, timeout_s=3)
+    assert time.monotonic() - t0 < 20
+    assert out.failed.tolist() == [False, True, True, True, False]
+    assert "ValueError: my tool broke" in out.infos[1]["error"]
+    assert "timeout" in out.infos[2]["error"] and "called no agent" in out.infos[3]["error"]
+    assert out.success.tolist() == [True, False, False, False, True]
+    kept = out.select(~out.failed)
+    assert [t.episodes.tolist() for t in kept.turns] == [[0, 1]]
