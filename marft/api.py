@@ -125,11 +125,12 @@ def prepare(cfg: RunConfig):
 
 def env_factory(cfg: RunConfig, team):
     """The environment factory of ``cfg.task`` for ``team`` (the whole team or a part of it)."""
-    from .envs import DATASET_KEYS, make_env_factory
+    from .envs import DATASET_KEYS, WORKFLOW_KEYS, make_env_factory
 
     t = cfg.task
+    keys = WORKFLOW_KEYS if t.kind == "workflow" else DATASET_KEYS
     return make_env_factory(t.kind, team.names, team.answering, t.horizon, t.name, dict(t.options),
-                            t.train_path, t.test_path, t.env, {k: getattr(t, k) for k in DATASET_KEYS}, team.whole)
+                            t.train_path, t.test_path, t.env, {k: getattr(t, k) for k in keys}, team.whole)
 
 
 def _machine(models) -> dict:

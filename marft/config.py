@@ -123,6 +123,10 @@ class TaskConfig:
     reward: str = ""
     """dataset: ``module:function`` or ``path/to/file.py:function``, called as
     ``reward(reply: str, record: dict) -> float | bool`` per answering agent and step."""
+    workflow: str = ""
+    """workflow: ``module:function`` or ``path/to/file.py:function``, called as
+    ``workflow(problem, client) -> answer`` per episode (``async def`` too; :mod:`marft.workflow`);
+    the problems and the reward are the dataset task's keys, the reward called on the answer."""
     success_threshold: float = 1.0
     """dataset: a reply whose reward is at least this counts as solved (success, ends the episode)."""
     horizon: int = 1

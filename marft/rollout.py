@@ -211,6 +211,16 @@ def rollout(team: Team, engine: "Engine | TeamModel", make_env: Callable[[], Tea
         raise ValueError(f"unknown rollout schedule {schedule!r}; expected 'barrier' or 'async'")
     start = time.perf_counter()
     envs = [make_env() for _ in resets]
+    if envs and getattr(envs[0], "workflow_fn", None) is not None:  # task.kind workflow: the user's program plays
+        from .workflow import workflow_rollout
+
+        out = workflow_rollout(team, engine, envs, resets, sampling, generator, env_timeout_s)
+        out.seconds = time.perf_counter() - start
+        out.gen_seconds = out.seconds
+        if on_turn:
+            for turn in out.turns:
+                on_turn(turn)
+        return out
     E, H, N = len(envs), horizon, len(team.agents)
     concurrent = bool(envs) and getattr(envs[0], "concurrent_steps", False)
     failed = torch.zeros(E, dtype=torch.bool)

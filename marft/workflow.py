@@ -6,7 +6,8 @@ A workflow is ``workflow(problem, client) -> answer`` (a plain function or ``asy
 ``openai.OpenAI`` client (``openai.AsyncOpenAI`` for an ``async def``) whose base URL records the
 calls under this episode; each agent is the model named as the agent. The workflow decides who is
 called, how often, in which order, with which messages. Its answer is scored by
-``reward(answer, problem)``: a number for the team, or ``{agent: number}`` per agent.
+``reward(answer, problem)``: a number for the team, ``{agent: number}`` per agent, or a
+:class:`marft.envs.Grade` (an environment's verdict).
 
 From the recorded calls (:func:`calls_to_rollout`), Flex-MG's micro-steps in call order: the j-th
 call of agent i in an episode is agent i's action at step t = j; the centralised critic's state
@@ -26,7 +27,57 @@ from typing import Callable
 import torch
 
 from .engines.base import Reply, pack
+from .envs.base import Grade
+from .envs.dataset import DatasetEnv
+from .errors import UserError
 from .rollout import Rollout, Turn
+
+
+class WorkflowEnv(DatasetEnv):
+    """``task.kind: workflow``: the problems and the reward of a data set task (:class:`DatasetEnv`:
+    ``task.dataset``, ``task.reward``, ...), played by the user's ``workflow`` (``task.workflow``,
+    ``module:function`` or ``path/to/file.py:function``) instead of marft's team loop; the rollout
+    (:func:`marft.rollout.rollout`) sees ``workflow_fn`` and calls :func:`workflow_rollout`. The
+    reward function scores the workflow's answer: ``reward(answer, record)``."""
+
+    def __init__(self, agents: list[str], answering: list[str], horizon: int = 1, *, workflow: str = "", **kwargs):
+        super().__init__(agents, answering, horizon, **kwargs)
+        if not workflow:
+            raise UserError("task.kind workflow needs task.workflow: 'package.module:function' or "
+                            "'path/to/file.py:function', called as workflow(problem, client) -> answer")
+        from .envs.check import import_user_module
+
+        module_name, _, attr = workflow.rpartition(":")
+        if not module_name or not attr:
+            raise UserError(f"task.workflow {workflow!r} must look like 'package.module:function' or 'path/to/file.py:function'")
+        fn = getattr(import_user_module(module_name, "marft_user_workflow_"), attr, None)
+        if not callable(fn):
+            raise UserError(f"task.workflow {workflow!r}: module {module_name!r} has no function {attr!r}")
+        self.workflow_fn = fn
+
+
+def workflow_rollout(team, engine, envs: list[WorkflowEnv], resets: list, sampling, generator, timeout_s: float) -> Rollout:
+    """The rollout of a workflow task: each environment reset to its problem, the workflow run on
+    every problem against a :class:`marft.serve.TeamServer` on ``engine`` sampling with
+    ``generator`` (so a workflow that asks as the built-in team does gets the same replies)."""
+    from .serve import serve_team
+
+    problems = []
+    for env, (seed, options) in zip(envs, resets):
+        env.reset(seed=seed, options=options)
+        problems.append({**env.problem.meta["record"], "prompt": env.problem.prompt, "_episode": len(problems)})
+    models = getattr(engine, "models", None)
+    if models is None:
+        raise UserError(f"task.kind workflow needs an engine with the team's models (hf or vllm), not {engine.name}")
+
+    def grade(answer, problem):
+        env = envs[problem["_episode"]]
+        return env.grade(env.problem, answer if isinstance(answer, str) else str(answer))
+
+    with serve_team(models, team, engine, sampling) as server:
+        server.generator = generator if generator is not None else server.generator
+        return play_workflows(team, server, envs[0].workflow_fn, problems, grade, timeout_s,
+                              envs[0].success_threshold)
 
 
 def play_workflows(team, server, workflow: Callable, problems: list[dict], reward: Callable,
@@ -132,11 +183,15 @@ def calls_to_rollout(team, problems: list[dict], calls: list[list], scores: list
             infos.append({"success": False, "extracted": False, "error": errors[e]})
             continue
         s = scores[e]
-        per = [float(s.get(a, 0.0)) for a in names] if isinstance(s, dict) else [float(s)] * N
+        if isinstance(s, Grade):  # an environment's verdict: its score, success and extraction
+            value = float(s.correct) if s.score is None else float(s.score)
+            per = [value] * N
+        else:
+            per = [float(s.get(a, 0.0)) for a in names] if isinstance(s, dict) else [float(s)] * N
         agent_rewards[e, last] = torch.tensor(per)
         rewards[e, last] = sum(per) / N
-        success[e] = rewards[e, last] >= success_threshold
-        extracted[e] = answers is None or answers[e] is not None
+        success[e] = s.correct if isinstance(s, Grade) else rewards[e, last] >= success_threshold
+        extracted[e] = s.extracted if isinstance(s, Grade) else answers is None or answers[e] is not None
         infos.append({"success": bool(success[e]), "extracted": bool(extracted[e]),
                       "answer": None if answers is None else answers[e]})
     turns = []

@@ -136,3 +136,102 @@ def test_failing_hanging_and_idle_workflows_fail_alone(duo):
     assert out.success.tolist() == [True, False, False, False, True]
     kept = out.select(~out.failed)
     assert [t.episodes.tolist() for t in kept.turns] == [[0, 1]]
+
+
+WORKFLOW = '''
+from marft.team import preset_agents
+
+PROMPTS = {a["name"]: a["prompt"] for a in preset_agents("duo")}
+INSTRUCTION = "Give the final answer in \\\\boxed{}."
+
+
+def duo(problem, client):
+    """The default planner -> solver duo, written with the openai client."""
+    plan = client.chat.completions.create(model="planner", messages=[
+        {"role": "system", "content": PROMPTS["planner"]}, {"role": "user", "content": problem["prompt"]}])
+    text = plan.choices[0].message.content
+    answer = client.chat.completions.create(model="solver", messages=[
+        {"role": "system", "content": PROMPTS["solver"]},
+        {"role": "user", "content": problem["prompt"] + "\\n\\n" + INSTRUCTION
+         + "\\n\\nMessages from your teammates:\\n[planner]\\n" + text.strip()}])
+    return answer.choices[0].message.content
+
+
+async def duo_async(problem, client):
+    plan = await client.chat.completions.create(model="planner", messages=[
+        {"role": "system", "content": PROMPTS["planner"]}, {"role": "user", "content": problem["prompt"]}])
+    text = plan.choices[0].message.content
+    answer = await client.chat.completions.create(model="solver", messages=[
+        {"role": "system", "content": PROMPTS["solver"]},
+        {"role": "user", "content": problem["prompt"] + "\\n\\n" + INSTRUCTION
+         + "\\n\\nMessages from your teammates:\\n[planner]\\n" + text.strip()}])
+    return answer.choices[0].message.content
+'''
+
+
+@pytest.mark.parametrize("name", ["duo", "duo_async"])
+def test_the_duo_as_a_workflow_trains_as_the_built_in_duo(name, tiny_model_dir, tmp_path):
+    """`marft train` with task.kind workflow, through the real endpoint and openai client, equals the
+    built-in duo on the same data set task: metrics of every iteration, evaluations, adapter weights."""
+    import json
+
+    from test_api import comparable
+    from test_dataset_task import REWARDS, records, write_jsonl
+    from marft.checkpoints import latest_checkpoint
+    from marft.cli import main
+
+    data = write_jsonl(tmp_path / "sums.jsonl", records(20))
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    (tmp_path / "my_team.py").write_text(WORKFLOW)
+    common = ["configs/duo_arithmetic.yaml", f"model.name={tiny_model_dir}", "model.dtype=float32", "model.device=cpu",
+              "rollout.max_new_tokens=6", "rollout.episodes=4", "team.max_new_tokens={planner: 4}",
+              "rollout.temperature=1.0", "train.iterations=2", "train.minibatch_size=4", "eval.problems=3",
+              "eval.ablate=false", f"task.dataset={data}", f"task.reward={tmp_path / 'rewards.py'}:exact",
+              "task.options={instruction: 'Give the final answer in \\boxed{}.'}"]
+    built_in, ours = tmp_path / "built_in", tmp_path / "workflow"
+    assert main(["train", *common, "task.kind=dataset", f"output_dir={built_in}"]) == 0
+    assert main(["train", *common, "task.kind=workflow", f"task.workflow={tmp_path / 'my_team.py'}:{name}",
+                 f"output_dir={ours}"]) == 0
+    assert comparable(ours) == comparable(built_in)
+    for tag in ("untrained", "final"):
+        a, b = (json.loads((d / f"eval_{tag}.json").read_text()) for d in (ours, built_in))
+        assert a["per_problem_success"] == b["per_problem_success"] and a["mean_reward"] == b["mean_reward"]
+    wa, wb = latest_checkpoint(ours), latest_checkpoint(built_in)
+    files = sorted(wb.rglob("*.safetensors"))
+    assert files and all(f.read_bytes() == (wa / f.relative_to(wb)).read_bytes() for f in files)
+    from safetensors.torch import load_file
+    moved = [v for f in files for k, v in load_file(f).items() if "lora_B" in k]
+    assert moved and any(v.abs().sum() > 0 for v in moved)  # training moved the adapters (B starts at 0)
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("", "task.kind workflow needs task.workflow"),
+    ("no_colon", "must look like"),
+    ("{file}:missing", "has no function 'missing'"),
+    ("no_such_module_q:duo", "cannot import module 'no_such_module_q'"),
+])
+def test_a_bad_workflow_is_one_line(spec, message, tiny_model_dir, tmp_path, capsys):
+    from test_dataset_task import REWARDS, records, write_jsonl
+    from marft.cli import main
+
+    data = write_jsonl(tmp_path / "sums.jsonl", records(5))
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    (tmp_path / "my_team.py").write_text("def duo(problem, client):\n    return ''\n")
+    rc = main(["eval", "configs/duo_arithmetic.yaml", f"model.name={tiny_model_dir}", "model.dtype=float32",
+               "task.kind=workflow", f"task.dataset={data}", f"task.reward={tmp_path / 'rewards.py'}:exact",
+               "task.options={}", f"task.workflow={spec.format(file=tmp_path / 'my_team.py')}", f"output_dir={tmp_path}"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("marft: error")]
+    assert rc == 2 and len(err) == 1 and message in err[0], err
+
+
+def test_the_shipped_workflow_example_trains_on_the_tiny_model(tiny_overrides, tmp_path):
+    import json
+
+    from marft.cli import main
+
+    run = tmp_path / "wf"
+    assert main(["train", "configs/workflow_duo.yaml", *tiny_overrides, "train.iterations=1", "train.eval_every=0",
+                 "eval.problems=2", "eval.samples=1", f"output_dir={run}"]) == 0
+    m = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert m["episodes/failed"] == 0 and {"planner/entropy", "solver/entropy"} <= set(m)
+    assert json.loads((run / "eval_final.json").read_text())["problems"] == 2

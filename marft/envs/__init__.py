@@ -18,10 +18,12 @@ from typing import Callable
 from marft.envs.base import Grade, Problem, TeamEnv, TurnBasedEnv
 from marft.errors import UserError
 
-KINDS = ("reasoning_gym", "math", "code", "dataset", "coop", "custom")
+KINDS = ("reasoning_gym", "math", "code", "dataset", "coop", "workflow", "custom")
 # the task.* keys of kind "dataset" (keyword arguments of DatasetEnv, passed in ``dataset``)
 DATASET_KEYS = ("dataset", "dataset_config", "train_split", "test_split", "prompt_column", "answer_column",
                 "reward", "success_threshold")
+# and of kind "workflow": the same plus the workflow function
+WORKFLOW_KEYS = (*DATASET_KEYS, "workflow")
 
 __all__ = ["Grade", "Problem", "TeamEnv", "TurnBasedEnv", "make_env_factory", "KINDS", "DATASET_KEYS"]
 
@@ -59,6 +61,12 @@ def make_env_factory(kind: str, agents: list[str], answering: list[str], horizon
             raise UserError(f"task.options {clash[0]} is a key of its own: set task.{clash[0]} instead "
                             "(task.options of the dataset task takes only instruction)")
         cls, kwargs = DatasetEnv, {**(dataset or {}), **options}
+    elif kind == "workflow":
+        from marft.workflow import WorkflowEnv
+        clash = [k for k in options if k in DATASET_KEYS]
+        if clash:
+            raise UserError(f"task.options {clash[0]} is a key of its own: set task.{clash[0]} instead")
+        cls, kwargs = WorkflowEnv, {**(dataset or {}), **options}
     elif kind == "custom":
         from marft.envs.check import load_env_class
         if not env:
