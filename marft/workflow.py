@@ -9,8 +9,11 @@ called, how often, in which order, with which messages. Its answer is scored by
 ``reward(answer, problem)``: a number for the team, ``{agent: number}`` per agent, or a
 :class:`marft.envs.Grade` (an environment's verdict).
 
-From the recorded calls (:func:`calls_to_rollout`), Flex-MG's micro-steps in call order: the j-th
-call of agent i in an episode is agent i's action at step t = j; the centralised critic's state
+From the recorded calls (:func:`calls_to_rollout`), Flex-MG's micro-steps in call order: calls
+fill a step in the team's agent order, and a call to an agent that already acted in the step, or
+comes earlier in the team's order, starts the next step (planner, planner, solver: the planner at
+step 0, then planner and solver at step 1); the last call must be to the team's last agent (the
+answer is its reply; an episode that ends otherwise fails, saying so); the centralised critic's state
 before a call is the problem and every earlier reply of the episode (``"Problem: ..."`` then one
 ``"[step t] agent: reply"`` line each, the shape of :meth:`marft.envs.base.TurnBasedEnv.state`);
 the reward comes at the episode's last step. An episode whose workflow raises, runs past
@@ -136,6 +139,9 @@ def play_workflows(team, server, workflow: Callable, problems: list[dict], rewar
     for e in range(E):
         if errors[e] is None and not calls[e]:
             errors[e] = "the workflow called no agent"
+        elif errors[e] is None and calls[e][-1].agent != team.names[-1]:
+            errors[e] = (f"the workflow's last call was to {calls[e][-1].agent}, not to {team.names[-1]}: the team's "
+                         "last agent must give the answer (list the agents in the order they act, the answering one last)")
         score = None
         if errors[e] is None:
             try:
@@ -158,19 +164,22 @@ def calls_to_rollout(team, problems: list[dict], calls: list[list], scores: list
     failed = torch.tensor([err is not None for err in errors], dtype=torch.bool)
     rows: dict[tuple[int, str], list[tuple[int, Reply, str]]] = {}
     steps = torch.zeros(E, dtype=torch.long)
+    order = {a: i for i, a in enumerate(names)}
     for e in range(E):
         if failed[e]:
             steps[e] = 1
             continue
-        seen: dict[str, int] = {}
+        t, prev = 0, -1
         state = f"Problem: {problems[e].get('prompt', '')}"
         for c in calls[e]:
-            t = seen.get(c.agent, 0)
-            seen[c.agent] = t + 1
+            i = order[c.agent]
+            if i <= prev:  # an agent again, or one earlier in the team's order: the next step
+                t += 1
+            prev = i
             rows.setdefault((t, c.agent), []).append(
                 (e, Reply(c.prompt_ids, c.response_ids, c.logprobs, c.truncated, c.text), state))
             state += f"\n[step {t}] {c.agent}: {c.text}"
-        steps[e] = max(seen.values())
+        steps[e] = t + 1
     H = max(int(steps.max()) if E else 1, 1)
     rewards, agent_rewards = torch.zeros(E, H), torch.zeros(E, H, N)
     dones = torch.zeros(E, H, dtype=torch.bool)
@@ -195,7 +204,6 @@ def calls_to_rollout(team, problems: list[dict], calls: list[list], scores: list
         infos.append({"success": bool(success[e]), "extracted": bool(extracted[e]),
                       "answer": None if answers is None else answers[e]})
     turns = []
-    order = {a: i for i, a in enumerate(names)}
     for (t, agent) in sorted(rows, key=lambda k: (k[0], order[k[1]])):
         got = sorted(rows[(t, agent)], key=lambda x: x[0])
         out = pack([r for _, r, _ in got], 0)

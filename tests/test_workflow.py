@@ -99,7 +99,8 @@ def test_parallel_calls_then_a_loop_become_micro_steps_in_call_order(duo):
         out = play_workflows(team, server, workflow, problems, lambda a, p: float(p["answer"] in a))
     assert not out.failed.any()
     planner_steps = sorted({t.step for t in out.turns if t.agent == "planner"})
-    assert planner_steps == [0, 1]  # the two parallel calls: the planner's steps 0 and 1
+    assert planner_steps == [0, 1]  # the two parallel calls: the planner at step 0, again at step 1
+    assert min(t.step for t in out.turns if t.agent == "solver") == 1  # the solver joins step 1, then one step a try
     solver_calls = {e: sum(1 for t in out.turns if t.agent == "solver" and e in t.episodes.tolist()) for e in range(3)}
     assert all(1 <= c <= 3 for c in solver_calls.values())
     for e in range(3):
@@ -122,18 +123,20 @@ def test_failing_hanging_and_idle_workflows_fail_alone(duo):
             time.sleep(30)
         if i == 3:
             return "nothing asked"
-        return client.chat.completions.create(model="solver", messages=[{"role": "user", "content": problem["prompt"]}]
+        agent = "planner" if i == 5 else "solver"  # 5 ends on the planner: the answer must be the last agent's
+        return client.chat.completions.create(model=agent, messages=[{"role": "user", "content": problem["prompt"]}]
                                               ).choices[0].message.content
 
-    problems, _ = problems_of(team, 5)
+    problems, _ = problems_of(team, 6)
     t0 = time.monotonic()
     with serve_team(models, team, engine, SAMPLING) as server:
         out = play_workflows(team, server, workflow, problems, lambda a, p: 1.0, timeout_s=3)
     assert time.monotonic() - t0 < 20
-    assert out.failed.tolist() == [False, True, True, True, False]
+    assert out.failed.tolist() == [False, True, True, True, False, True]
     assert "ValueError: my tool broke" in out.infos[1]["error"]
     assert "timeout" in out.infos[2]["error"] and "called no agent" in out.infos[3]["error"]
-    assert out.success.tolist() == [True, False, False, False, True]
+    assert "last call was to planner, not to solver" in out.infos[5]["error"]
+    assert out.success.tolist() == [True, False, False, False, True, False]
     kept = out.select(~out.failed)
     assert [t.episodes.tolist() for t in kept.turns] == [[0, 1]]
 
@@ -235,3 +238,49 @@ def test_the_shipped_workflow_example_trains_on_the_tiny_model(tiny_overrides, t
     m = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert m["episodes/failed"] == 0 and {"planner/entropy", "solver/entropy"} <= set(m)
     assert json.loads((run / "eval_final.json").read_text())["problems"] == 2
+
+
+LOOP = '''
+from concurrent.futures import ThreadPoolExecutor
+
+
+def run(problem, client):
+    """Two planner views at once, then the solver until its answer holds a digit, at most three tries."""
+    ask = lambda agent, text: client.chat.completions.create(
+        model=agent, messages=[{"role": "user", "content": text}]).choices[0].message.content
+    with ThreadPoolExecutor(2) as pool:
+        views = list(pool.map(lambda k: ask("planner", problem["prompt"] + f" View {k}."), range(2)))
+    answer = ""
+    for _ in range(3):
+        answer = ask("solver", problem["prompt"] + " " + " ".join(views) + " " + answer)
+        if any(ch.isdigit() for ch in answer):
+            break
+    return answer
+'''
+
+
+@pytest.mark.parametrize("algorithm,shared", [("marft", False), ("marft", True), ("marft-token", False),
+                                              ("ippo", False), ("grpo", False), ("dr-mas", False), ("at-grpo", False)])
+def test_a_workflow_the_config_cannot_express_trains_with_every_algorithm(algorithm, shared, tiny_model_dir, tmp_path):
+    import json
+    import math
+
+    from test_dataset_task import REWARDS, records, write_jsonl
+    from marft.checkpoints import latest_checkpoint
+    from marft.cli import main
+
+    data = write_jsonl(tmp_path / "sums.jsonl", records(20))
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    (tmp_path / "loop.py").write_text(LOOP)
+    run = tmp_path / "run"
+    assert main(["train", "configs/duo_arithmetic.yaml", f"model.name={tiny_model_dir}", "model.dtype=float32",
+                 "model.device=cpu", "rollout.max_new_tokens=4", "rollout.episodes=4", "team.max_new_tokens={}",
+                 "rollout.temperature=1.0", "train.iterations=1", "train.minibatch_size=4", "train.group_size=2",
+                 "eval.problems=2", "eval.ablate=false", "eval.before=false", "task.kind=workflow",
+                 f"task.workflow={tmp_path / 'loop.py'}:run", f"task.dataset={data}",
+                 f"task.reward={tmp_path / 'rewards.py'}:flag", "task.options={}", f"train.algorithm={algorithm}",
+                 f"team.share_adapter={str(shared).lower()}", f"output_dir={run}"]) == 0
+    m = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert m["episodes/failed"] == 0
+    assert all(math.isfinite(v) for k, v in m.items() if isinstance(v, float))
+    assert latest_checkpoint(run) is not None
