@@ -242,10 +242,12 @@ def test_degenerate_counts_by_hand():
     turns = [SimpleNamespace(texts=["", "a", " \n", "b"], truncated=torch.tensor([True, False, False, False])),
              SimpleNamespace(texts=["c", "d", "e", "f"], truncated=torch.tensor([True, True, False, False]))]
     out = SimpleNamespace(rewards=rewards, turns=turns)
-    grpo = SimpleNamespace(algorithm="grpo", cfg=SimpleNamespace(train=SimpleNamespace(group_size=4)))
+    from marft.algorithms import ALGORITHMS
+
+    grpo = SimpleNamespace(algo=ALGORITHMS["grpo"], cfg=SimpleNamespace(train=SimpleNamespace(group_size=4)))
     stats = Trainer._degenerate_stats(grpo, out)
     assert stats == {"degenerate/same_reward": 0.5, "responses/empty": 2 / 8, "responses/truncated": 3 / 8}
-    marft_ = SimpleNamespace(algorithm="marft", cfg=grpo.cfg)
+    marft_ = SimpleNamespace(algo=ALGORITHMS["marft"], cfg=grpo.cfg)
     assert Trainer._degenerate_stats(marft_, out)["degenerate/same_reward"] == 0.0
     out.rewards = torch.zeros(8, 1)
     assert Trainer._degenerate_stats(marft_, out)["degenerate/same_reward"] == 1.0
