@@ -134,8 +134,8 @@ def env_factory(cfg: RunConfig, team):
 
 
 def _machine(models) -> dict:
-    """:func:`marft.flops.describe_machine` of a team's (first) base model."""
-    from .flops import describe_machine
+    """:func:`marft.machine.describe_machine` of a team's (first) base model."""
+    from .machine import describe_machine
 
     return describe_machine(next(iter(models.bases.values())))
 

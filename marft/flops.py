@@ -36,8 +36,6 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 
-from pathlib import Path
-
 import torch
 
 
@@ -154,32 +152,3 @@ def mfu(flops: float, seconds: float, rate: float) -> float:
     """FLOPs / (seconds * rate); 0 when nothing was timed."""
     return flops / (seconds * rate) if seconds > 0 and rate > 0 else 0.0
 
-
-def describe_machine(model=None) -> dict:
-    """Where a run ran, for its run folder and its evaluations: the CPU (model name, cores, whether
-    it has AMX or AVX512-BF16, i.e. fast bf16), torch threads, the GPU if any, and the model's
-    device and dtype; with library versions."""
-    import os
-    import platform
-
-    import transformers
-
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        info = ""
-    names = [line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")]
-    flags = next((line for line in info.splitlines() if line.startswith("flags")), "")
-    out = {
-        "cpu": names[0] if names else platform.processor() or platform.machine(),
-        "cpu_cores": os.cpu_count(),
-        "cpu_bf16": sorted(f for f in ("amx_bf16", "avx512_bf16") if f" {f}" in flags),
-        "torch_threads": torch.get_num_threads(),
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-    }
-    if model is not None:
-        p = next(model.parameters())
-        out.update(device=str(p.device), dtype=str(p.dtype).replace("torch.", ""))
-    return out

@@ -41,11 +41,9 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
         return getattr(torch, name)
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        flags = ""
-    return torch.bfloat16 if ("amx_bf16" in flags or "avx512_bf16" in flags) else torch.float32
+    from .machine import bf16_flags
+
+    return torch.bfloat16 if bf16_flags() else torch.float32
 
 
 def pick_device(name: str) -> torch.device:

@@ -51,6 +51,7 @@ import torch
 
 from .errors import UserError
 from .evaluation import accuracy_interval
+from .machine import bf16_label
 
 CURVES = [("reward", "reward (train)"), ("accuracy", "team accuracy (train)"),
           ("approx_kl", "approx. KL per agent"), ("entropy", "entropy per agent"), ("value_loss", "value loss")]
@@ -115,8 +116,7 @@ def _machines(folder: Path) -> list[str]:
     if isinstance(records, list) and records:
         out = []
         for m in records:
-            bf16 = "AMX" if "amx_bf16" in (m.get("cpu_bf16") or []) else (
-                "AVX-512 BF16" if m.get("cpu_bf16") else "no bf16 instructions")
+            bf16 = bf16_label(m.get("cpu_bf16") or [])
             where = m.get("gpu") or f"{m.get('cpu', '?')} ({bf16}, {m.get('cpu_cores', '?')} cores)"
             line = f"{where}, {m.get('device', '?')}, {m.get('dtype', '?')}"
             if line not in out:

@@ -40,7 +40,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -283,18 +282,10 @@ def _recorded_machines(folder: Path) -> list[str]:
 
 
 def machine() -> str:
-    """The CPU a run ran on, with its matrix extension and core count: numbers differ across machines."""
-    name, flags = platform.processor() or "unknown CPU", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    extension = "AMX" if "amx_bf16" in flags else "AVX-512 BF16" if "avx512_bf16" in flags else "no bf16"
-    return f"{name}, {extension}, {os.cpu_count()} cores"
+    """The CPU a run ran on (:func:`marft.machine.cpu_line`)."""
+    from .machine import cpu_line
+
+    return cpu_line()
 
 
 def _execute(cmd: list[str], log_path: Path) -> int:

@@ -54,19 +54,16 @@ def make_env_factory(kind: str, agents: list[str], answering: list[str], horizon
     elif kind == "coop":
         from marft.envs.coop import CoopEnv
         cls, kwargs = CoopEnv, {"name": name, **options, "team": list(team or agents)}
-    elif kind == "dataset":
-        from marft.envs.dataset import DatasetEnv
+    elif kind in ("dataset", "workflow"):  # a workflow task is a data set task played by the user's program
+        if kind == "dataset":
+            from marft.envs.dataset import DatasetEnv as cls
+        else:
+            from marft.workflow import WorkflowEnv as cls
         clash = [k for k in options if k in DATASET_KEYS]
         if clash:
             raise UserError(f"task.options {clash[0]} is a key of its own: set task.{clash[0]} instead "
-                            "(task.options of the dataset task takes only instruction)")
-        cls, kwargs = DatasetEnv, {**(dataset or {}), **options}
-    elif kind == "workflow":
-        from marft.workflow import WorkflowEnv
-        clash = [k for k in options if k in DATASET_KEYS]
-        if clash:
-            raise UserError(f"task.options {clash[0]} is a key of its own: set task.{clash[0]} instead")
-        cls, kwargs = WorkflowEnv, {**(dataset or {}), **options}
+                            f"(task.options of the {kind} task takes only instruction)")
+        kwargs = {**(dataset or {}), **options}
     elif kind == "custom":
         from marft.envs.check import load_env_class
         if not env:
