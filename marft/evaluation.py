@@ -120,8 +120,9 @@ def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progr
                 texts.update(t.states)
             lengths[t.agent] += t.response_mask.sum(1).float().tolist()
             truncated[t.agent] += t.truncated.float().tolist()
-        for e in here:
-            transcripts[lo + e].update(correct=bool(out.success[e]), answer=out.infos[e].get("answer"))
+        for e in here:  # an episode that failed before its first turn has a transcript without turns
+            rec = transcripts.setdefault(lo + e, {"problem": kept[lo + e], "observation": None, "turns": []})
+            rec.update(correct=bool(out.success[e]), answer=out.infos[e].get("answer"), error=out.infos[e].get("error"))
         gen_seconds += out.gen_seconds
         done_eps = hi
         if progress:

@@ -216,13 +216,6 @@ class TeamServer:
             raise _Refused(400, f"n must be 1 (one reply per request), got {body.get('n')!r}", param="n")
         messages = _messages(body.get("messages"))
         sampling = self._sampling(agent, body)
-        ids = self.tokenizer(agent).apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        limit = self.context(agent)
-        if len(ids) + sampling.max_new_tokens > limit:
-            raise _Refused(400, f"This model's maximum context length is {limit} tokens; the messages take "
-                                f"{len(ids)} and the reply up to {sampling.max_new_tokens}. Shorten the messages.",
-                           param="messages", code="context_length_exceeded")
         episode = request.path_params.get("episode", "default")
         with self._lock:
             index = self._counts.get(episode, 0)
@@ -293,13 +286,34 @@ class TeamServer:
                                                         kind="server_error"))
                     continue
                 for p, call in zip(group, out):
+                    if isinstance(call, _Refused):
+                        p.future.set_exception(call)
+                        continue
                     with self._lock:
                         self._calls.setdefault(p.episode, []).append(call)
                     p.future.set_result(call)
             if self._pending:
                 self._wake.set()
 
-    def _generate(self, agent: str, sampling: Sampling, group: list[_Pending]) -> list[Call]:
+    def _too_long(self, agent: str, p: _Pending) -> _Refused | None:
+        ids = self.tokenizer(agent).apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        limit = self.context(agent)
+        if len(ids) + p.sampling.max_new_tokens <= limit:
+            return None
+        return _Refused(400, f"This model's maximum context length is {limit} tokens; the messages take "
+                             f"{len(ids)} and the reply up to {p.sampling.max_new_tokens}. Shorten the messages.",
+                        param="messages", code="context_length_exceeded")
+
+    def _generate(self, agent: str, sampling: Sampling, group: list[_Pending]) -> list[Call | _Refused]:
+        """One batch, in the worker thread: the tokenizer is used only here, one call at a time (a
+        fast tokenizer used from two threads at once fails), first to refuse prompts over the context."""
+        refused = {id(p): r for p in group if (r := self._too_long(agent, p)) is not None}
+        ok = [p for p in group if id(p) not in refused]
+        calls = {id(p): c for p, c in zip(ok, self._generated(agent, sampling, ok))} if ok else {}
+        return [refused.get(id(p)) or calls[id(p)] for p in group]
+
+    def _generated(self, agent: str, sampling: Sampling, group: list[_Pending]) -> list[Call]:
         out = self.engine.generate(agent, [p.messages for p in group], sampling, self.generator)
         self.batches.append((agent, len(group)))
         done = time.monotonic()
