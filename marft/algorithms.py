@@ -113,8 +113,9 @@ class Algorithm:
 
     def normalise(self, out: "Rollout", advs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each turn's advantages whitened (``train.normalize_advantages``) over the whole batch or,
-        with ``whiten="agent"``, over each agent's own turns: [b] at action level; at token level
-        flattened [b * R] over the reply tokens (the learner reshapes them)."""
+        with ``whiten="agent"``, over each agent's own turns; in a mixture of tasks, over each
+        task's episodes apart (never across tasks). [b] at action level; at token level flattened
+        [b * R] over the reply tokens (the learner reshapes them)."""
         if self.token_level:
             flat = torch.cat([a.flatten() for a in advs])
             mask = torch.cat([t.response_mask.flatten() for t in out.turns])
@@ -123,13 +124,21 @@ class Algorithm:
             flat = torch.cat(advs)
             mask = torch.ones_like(flat, dtype=torch.bool)
             sizes = [len(a) for a in advs]
-        if self.whiten == "batch":
+        tasks = list(dict.fromkeys(getattr(out, "tasks", None) or [""]))
+        if self.whiten == "batch" and len(tasks) == 1:
             return list(adv_fns.normalize(flat, mask).split(sizes))
         owner = torch.cat([torch.full((n,), i) for i, n in enumerate(sizes)])  # entry -> turn
+        agents = list(dict.fromkeys(t.agent for t in out.turns)) if self.whiten == "agent" else [None]
+        if len(tasks) > 1:  # entry -> its episode's task
+            episode = torch.cat([t.episodes[:, None].expand(a.shape).flatten() if self.token_level else t.episodes
+                                 for t, a in zip(out.turns, advs)])
         normed = torch.zeros_like(flat)
-        for agent in dict.fromkeys(t.agent for t in out.turns):
-            mine = torch.tensor([t.agent == agent for t in out.turns])[owner]
-            normed = normed + adv_fns.normalize(flat, mask & mine)  # 0 outside the agent's entries
+        for task in tasks:
+            in_task = (torch.tensor([x == task for x in out.tasks], dtype=torch.bool)[episode] if len(tasks) > 1
+                       else torch.ones_like(mask))
+            for agent in agents:
+                mine = in_task if agent is None else in_task & torch.tensor([t.agent == agent for t in out.turns])[owner]
+                normed = normed + adv_fns.normalize(flat, mask & mine)  # 0 outside its own entries
         return list(normed.split(sizes))
 
 

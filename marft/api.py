@@ -124,13 +124,29 @@ def prepare(cfg: RunConfig):
 
 
 def env_factory(cfg: RunConfig, team):
-    """The environment factory of ``cfg.task`` for ``team`` (the whole team or a part of it)."""
+    """The environment factory of ``cfg.task`` for ``team`` (the whole team or a part of it); of a
+    mixture (``cfg.tasks``, or one task whose rewards are scaled), a
+    :class:`marft.envs.mixture.MixtureFactory` over each task's own."""
+    from .config import task_label, task_list
     from .envs import DATASET_KEYS, WORKFLOW_KEYS, make_env_factory
+    from .envs.mixture import MixtureFactory
 
-    t = cfg.task
-    keys = WORKFLOW_KEYS if t.kind == "workflow" else DATASET_KEYS
-    return make_env_factory(t.kind, team.names, team.answering, t.horizon, t.name, dict(t.options),
-                            t.train_path, t.test_path, t.env, {k: getattr(t, k) for k in keys}, team.whole)
+    def one(t):
+        keys = WORKFLOW_KEYS if t.kind == "workflow" else DATASET_KEYS
+        return make_env_factory(t.kind, team.names, team.answering, t.horizon, t.name, dict(t.options),
+                                t.train_path, t.test_path, t.env, {k: getattr(t, k) for k in keys}, team.whole)
+
+    tasks = task_list(cfg)
+    if len(tasks) == 1 and tasks[0].reward_scale == 1:
+        return one(tasks[0])
+    factories = {}
+    for i, t in enumerate(tasks):
+        try:
+            factories[task_label(t)] = one(t)
+        except UserError as e:
+            raise UserError(f"tasks.{i} ({task_label(t)}): {e}") from None
+    return MixtureFactory(factories, {task_label(t): t.weight for t in tasks},
+                          {task_label(t): t.reward_scale for t in tasks}, {task_label(t): t.horizon for t in tasks})
 
 
 def _machine(models) -> dict:
@@ -164,8 +180,9 @@ def make_dir(path: Path, key: str) -> Path:
 
 
 def task_label(cfg: RunConfig) -> str:
-    t = cfg.task
-    return t.name if t.kind in ("reasoning_gym", "coop") else t.kind
+    from .config import task_label as label, task_list
+
+    return " + ".join(label(t) for t in task_list(cfg))
 
 
 def _num_problems(make_env) -> int | None:
@@ -434,7 +451,9 @@ class MarftTrainer:
         res = self.evaluate(tag, without)
         trackers.log_eval(tag, res, self.trainer.iteration)
         lo, hi = res["ci95"]
-        self._log(f"eval {tag}: accuracy {100 * res['accuracy']:.1f}% (95% CI {100 * lo:.1f}-{100 * hi:.1f}), "
+        per_task = "".join(f", {task} {100 * r['accuracy']:.1f}%" for task, r in (res.get("tasks") or {}).items())
+        mean = " (macro mean over tasks)" if per_task else ""
+        self._log(f"eval {tag}: accuracy{mean} {100 * res['accuracy']:.1f}% (95% CI {100 * lo:.1f}-{100 * hi:.1f}){per_task}, "
                   f"{res['problems']}x{res['samples']} problems, {time.perf_counter() - t0:.0f} s")
         for cb in self.callbacks:
             _call(cb, "on_evaluate", self, tag, res)
@@ -471,7 +490,8 @@ def _call(callback, method: str, *args) -> None:
 def progress_line(m: dict, total: int, left_s: float) -> str:
     ent = m.get("entropy", next((v for k, v in m.items() if k.endswith("/entropy")), float("nan")))
     kl = m.get("approx_kl", next((v for k, v in m.items() if k.endswith("/approx_kl")), float("nan")))
-    return (f"it {m['iteration']:>4}/{total}  reward {m['reward']:.3f}  acc {100 * m['accuracy']:5.1f}%  "
+    per_task = "".join(f" {k.split('/')[1]} {100 * v:.0f}%" for k, v in m.items() if k.startswith("tasks/") and k.endswith("/accuracy"))
+    return (f"it {m['iteration']:>4}/{total}  reward {m['reward']:.3f}  acc {100 * m['accuracy']:5.1f}%{per_task}  "
             f"kl {kl:.4f}  entropy {ent:.3f}  {m['tokens_per_s']:.0f} tok/s  "
             f"MFU {100 * m.get('mfu/iteration', 0.0):.0f}%  {m['seconds']:.0f} s/it  left {left_s / 60:.1f} min")
 

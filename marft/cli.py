@@ -128,7 +128,7 @@ def cmd_eval(args) -> int:
     cfg = load_config(args.config, args.overrides)
     console = Console(stderr=True, soft_wrap=True)  # log lines are not wrapped at 80 columns when piped
     console.print(f"[bold]marft eval[/] {args.config}: team {' -> '.join(a.name for a in cfg.team.agents)}, "
-                  f"model {cfg.model.name}, task {cfg.task.kind}:{cfg.task.name if cfg.task.kind in ('reasoning_gym', 'coop') else cfg.task.test_path or cfg.task.env or cfg.task.dataset}")
+                  f"model {cfg.model.name}, task {_task_text(cfg)}")
     out = Path(cfg.eval.output or Path(cfg.output_dir) / "eval.json")
     make_dir(out.parent, "eval.output" if cfg.eval.output else "output_dir")  # fail now, not after the evaluation
     with Progress(TextColumn("evaluating"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[speed]}"),
@@ -207,3 +207,13 @@ def cmd_env_check(args) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _task_text(cfg) -> str:
+    """The task of ``cfg`` in a line: ``kind:name`` (or its file), or a mixture's names."""
+    from .api import task_label
+
+    t = cfg.task
+    if cfg.tasks:
+        return f"mixture of {task_label(cfg)}"
+    return f"{t.kind}:{t.name if t.kind in ('reasoning_gym', 'coop') else t.test_path or t.env or t.dataset}"

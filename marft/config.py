@@ -131,6 +131,16 @@ class TaskConfig:
     """dataset: a reply whose reward is at least this counts as solved (success, ends the episode)."""
     horizon: int = 1
     """H: the most steps (team attempts) per episode."""
+    label: str = ""
+    """A mixture (``tasks:``): the task's name in metrics, evaluations and reports (unique); empty:
+    ``name`` for the reasoning_gym, code and coop kinds, else the kind."""
+    weight: Any = 1.0
+    """A mixture: the task's share of each iteration's episodes, relative to the others' weights; a
+    number, or a schedule ``{iteration: weight}`` read linearly between its points and constant
+    outside them (a curriculum: ``{0: 1, 30: 0.2}``)."""
+    reward_scale: float = 1.0
+    """Every reward of this task is multiplied by it (1: the task's own reward as it is, 0/1 for a
+    right answer, a code task's share of passing tests with ``reward: fraction``)."""
 
 
 @dataclass
@@ -343,6 +353,9 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     team: TeamConfig = field(default_factory=TeamConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    tasks: list[TaskConfig] = field(default_factory=list)
+    """A mixture of tasks in one run (each entry what ``task:`` holds, with its ``label``, ``weight``
+    and ``reward_scale``); empty: the one task ``task:``. A list of one entry is that task alone."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -381,16 +394,32 @@ def load_config(path: str | Path | dict | None = None, overrides: list = ()) -> 
             raise UserError(f"config file {p} must hold a mapping of keys (model:, team:, ...), not {type(data).__name__}")
     parsed = [o if isinstance(o, tuple) else _split_override(o) for o in overrides]
     _check_kind_override(data, parsed, path)
+    file_task = "task" in data and "tasks" not in data
     late = [(k, v) for k, v in parsed if k.startswith("team.agents")]
     for k, v in parsed:
         if not k.startswith("team.agents"):
             _set_dotted(data, k, v)
+    _one_task_or_mixture(data, parsed, file_task, path)
     _expand_preset(data)
     for k, v in late:
         _set_dotted(data, k, v)
     cfg = _build(RunConfig, data, "")
+    if len(cfg.tasks) == 1:  # a mixture of one task is that task
+        cfg.task, cfg.tasks = cfg.tasks[0], []
     validate(cfg)
     return cfg
+
+
+def _one_task_or_mixture(data: dict, parsed: list[tuple[str, Any]], file_task: bool, path) -> None:
+    """``task:`` (one task) or ``tasks:`` (a mixture), not both; a mixture given on the command line
+    (or by a sweep's grid) replaces the file's one task."""
+    if not data.get("tasks") or "task" not in data:
+        return
+    touched = lambda name: any(k == name or k.startswith(name + ".") for k, _ in parsed)  # noqa: E731
+    if file_task and touched("tasks") and not touched("task"):
+        del data["task"]
+        return
+    raise UserError(f"config: {path} gives both task: (one task) and tasks: (a mixture); keep one of them")
 
 
 def _check_kind_override(data: dict, parsed: list[tuple[str, Any]], path) -> None:
@@ -536,20 +565,10 @@ def validate(cfg: RunConfig) -> None:
     _check(e.samples >= 1, f"eval.samples must be at least 1, got {e.samples}")
     _check(e.transcripts >= 0, f"eval.transcripts must be 0 (none) or more, got {e.transcripts}")
     _check(e.temperature >= 0, f"eval.temperature must be 0 (greedy) or positive, got {e.temperature}")
-    t = cfg.task
-    _check(t.kind in KINDS, f"task.kind must be one of {', '.join(KINDS)}, got {t.kind!r}")
-    _check(t.horizon >= 1, f"task.horizon must be at least 1, got {t.horizon}")
-    _check(t.kind != "math" or bool(t.train_path or t.test_path),
-           "task.kind is math but neither task.train_path nor task.test_path is set")
-    _check(t.kind != "custom" or ":" in t.env, "task.kind is custom: set task.env to module:Class")
-    if t.kind == "dataset":
-        _check(bool(t.dataset), "task.kind is dataset but task.dataset is not set; give a Hub id (openai/gsm8k) "
-                                "or a .jsonl, .json, .csv or .parquet file or folder")
-        _check(":" in t.reward, "task.kind is dataset: set task.reward to module:function or path/to/file.py:function, "
-                                "called as reward(reply, record) -> float")
-        _check(bool(t.prompt_column), "task.prompt_column is empty; name the column that holds the prompt")
-        _check(t.success_threshold == t.success_threshold and abs(t.success_threshold) != float("inf"),
-               f"task.success_threshold must be a finite number, got {t.success_threshold}")
+    for where, t in (((f"tasks.{i}", t) for i, t in enumerate(cfg.tasks)) if cfg.tasks else [("task", cfg.task)]):
+        _validate_task(t, where)
+    if cfg.tasks:
+        _validate_mixture(cfg.tasks)
     tr = cfg.train
     from .algorithms import ALGORITHMS
 
@@ -586,6 +605,67 @@ def validate(cfg: RunConfig) -> None:
     _validate_cluster(cfg, team)
 
 
+def _validate_task(t: TaskConfig, w: str) -> None:
+    """One task's settings; ``w`` is where it is in the config (``task`` or ``tasks.1``)."""
+    _check(t.kind in KINDS, f"{w}.kind must be one of {', '.join(KINDS)}, got {t.kind!r}")
+    _check(t.horizon >= 1, f"{w}.horizon must be at least 1, got {t.horizon}")
+    _check(t.kind != "math" or bool(t.train_path or t.test_path),
+           f"{w}.kind is math but neither {w}.train_path nor {w}.test_path is set")
+    _check(t.kind != "custom" or ":" in t.env, f"{w}.kind is custom: set {w}.env to module:Class")
+    if t.kind == "dataset":
+        _check(bool(t.dataset), f"{w}.kind is dataset but {w}.dataset is not set; give a Hub id (openai/gsm8k) "
+                                "or a .jsonl, .json, .csv or .parquet file or folder")
+        _check(":" in t.reward, f"{w}.kind is dataset: set {w}.reward to module:function or path/to/file.py:function, "
+                                "called as reward(reply, record) -> float")
+        _check(bool(t.prompt_column), f"{w}.prompt_column is empty; name the column that holds the prompt")
+        _check(t.success_threshold == t.success_threshold and abs(t.success_threshold) != float("inf"),
+               f"{w}.success_threshold must be a finite number, got {t.success_threshold}")
+    _check(_finite(t.reward_scale) and t.reward_scale > 0, f"{w}.reward_scale must be a positive number, got {t.reward_scale}")
+    weights = t.weight if isinstance(t.weight, dict) else {None: t.weight}
+    _check(bool(weights), f"{w}.weight is an empty schedule; give a number or {{iteration: weight, ...}}")
+    for it, v in weights.items():
+        at = f"{w}.weight" if it is None else f"{w}.weight at iteration {it}"
+        _check(it is None or (isinstance(it, int) and not isinstance(it, bool) and it >= 0),
+               f"{w}.weight's schedule has the key {it!r}; its keys are iterations (0, 10, ...)")
+        _check(isinstance(v, (int, float)) and not isinstance(v, bool) and _finite(v) and v >= 0,
+               f"{at} must be a number, 0 or more, got {v!r}")
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and x == x and abs(x) != float("inf")
+
+
+def task_label(t: TaskConfig) -> str:
+    """The task's name in a mixture: ``label``, else ``name`` (reasoning_gym, code, coop) or the kind."""
+    return t.label or (t.name if t.kind in ("reasoning_gym", "code", "coop") else t.kind)
+
+
+def task_list(cfg: RunConfig) -> list[TaskConfig]:
+    """The run's tasks: the mixture ``tasks``, or the one ``task``."""
+    return list(cfg.tasks) or [cfg.task]
+
+
+def horizon(cfg: RunConfig) -> int:
+    """The most steps any episode of the run may take (the largest of its tasks' horizons)."""
+    return max(t.horizon for t in task_list(cfg))
+
+
+def _validate_mixture(tasks: list[TaskConfig]) -> None:
+    from .envs.mixture import schedule_points, weight_at
+
+    seen: dict[str, int] = {}
+    for i, t in enumerate(tasks):
+        label = task_label(t)
+        _check(label not in seen, f"tasks.{seen.get(label)} and tasks.{i} are both named {label!r}; "
+                                  f"give each a distinct tasks.N.label")
+        seen[label] = i
+        _check(t.kind != "workflow", f"tasks.{i} is a workflow task, which cannot be mixed with others (the user's "
+                                     "program plays the whole batch); train it alone with task:")
+    for it in schedule_points([t.weight for t in tasks]):
+        _check(sum(weight_at(t.weight, it) for t in tasks) > 0,
+               f"every task's weight is 0 at iteration {it}; give at least one task a positive tasks.N.weight there")
+
+
 def _validate_cluster(cfg: RunConfig, team) -> None:
     c = cfg.cluster
     _check(c.rollout_workers >= 0, f"cluster.rollout_workers must be 0 (no Ray) or more, got {c.rollout_workers}")
@@ -610,8 +690,12 @@ def _validate_cluster(cfg: RunConfig, team) -> None:
 
 
 def to_dict(cfg: Any) -> dict:
-    """The config as plain data, for saving beside results and checkpoints."""
-    return dataclasses.asdict(cfg)
+    """The config as plain data, for saving beside results and checkpoints (a run's ``task`` or
+    its mixture ``tasks``, whichever it has)."""
+    data = dataclasses.asdict(cfg)
+    if "task" in data and "tasks" in data:
+        data.pop("task" if data["tasks"] else "tasks")
+    return data
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> None:

@@ -66,94 +66,133 @@ def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progr
     ``eval.samples`` times each, ``rollout.episodes`` at a time. ``models`` is an engine
     (:mod:`marft.engines`) or a :class:`TeamModel` (then the engine ``rollout.engine`` names is
     built for this evaluation and closed after it). ``progress(done, total, tokens)`` is called
-    after every agent turn."""
+    after every agent turn.
+
+    A mixture of tasks (``make_env`` a :class:`marft.envs.mixture.MixtureFactory` of several) is
+    scored on every task's own first ``eval.problems`` held-out problems: the result holds a result
+    per task under ``tasks`` (each as a single task's), and at its top the macro mean over tasks
+    (``accuracy``, its ``ci95`` by :func:`marft.envs.mixture.macro_interval`; ``micro_accuracy``
+    over all episodes); the other top figures are over all episodes."""
     if isinstance(models, TeamModel):
         engine = make_engine(cfg, models)
         try:
             return evaluate(cfg, team, engine, make_env, num_problems, progress)
         finally:
             engine.close()
+    from .config import horizon as run_horizon
+    from .envs.mixture import MixtureFactory, macro_interval
+
     ev, ro = cfg.eval, cfg.rollout
-    n = min(ev.problems, num_problems) if num_problems else ev.problems
     k = ev.samples
+    if isinstance(make_env, MixtureFactory):  # (task, problems, horizon) of each task
+        parts = [(label, min(ev.problems, make_env.problems[label] or ev.problems), make_env.horizons[label])
+                 for label in make_env.labels]
+    else:
+        parts = [(None, min(ev.problems, num_problems) if num_problems else ev.problems, run_horizon(cfg))]
     sampling = Sampling(ev.temperature, ro.top_p, ro.top_k, ro.max_new_tokens, tuple(ro.stop))
     generator = torch.Generator().manual_seed(ev.seed)
-    resets = [(ev.seed + i, {"split": "test", "index": i}) for i in range(n) for _ in range(k)]
-    success = torch.zeros(n * k, dtype=torch.bool)
-    extracted = torch.zeros(n * k, dtype=torch.bool)
-    reward = torch.zeros(n * k)
-    steps = torch.zeros(n * k)
-    failed = torch.zeros(n * k, dtype=torch.bool)
-    errors: list[str] = []
-    lengths: dict[str, list[float]] = {a: [] for a in team.names}
-    truncated: dict[str, list[float]] = {a: [] for a in team.names}
-    kept = {i * k: i for i in range(min(ev.transcripts, n))}  # episode -> problem, first sample only
-    transcripts: dict[int, dict] = {}
-    texts: set[str] = set()  # each problem's opening state (every agent's part of it): distinct problems
-    tokens, gen_seconds, start = 0, 0.0, time.perf_counter()
+    resets, slices, kept = [], [], {}  # kept: episode -> problem, first sample of the first eval.transcripts problems
+    for task, n, _ in parts:
+        kept.update({len(resets) + i * k: i for i in range(min(ev.transcripts, n))})
+        slices.append(range(len(resets), len(resets) + n * k))
+        resets += [(ev.seed + i, {"split": "test", "index": i, **({"task": task} if task else {})}) for i in range(n) for _ in range(k)]
+    total = len(resets)
+    rec = _Record(total)
+    tokens, start = 0, time.perf_counter()
     done_eps = 0
-    for lo in range(0, n * k, ro.episodes):
+    for lo in range(0, total, ro.episodes):
         chunk = resets[lo:lo + ro.episodes]
 
         def on_turn(turn):
             nonlocal tokens
             tokens += int(turn.response_mask.sum())
             if progress:
-                progress(done_eps, n * k, tokens)
+                progress(done_eps, total, tokens)
 
-        out = rollout(team, models, make_env, chunk, sampling, cfg.task.horizon, generator, on_turn, ro.env_timeout_s,
+        out = rollout(team, models, make_env, chunk, sampling, run_horizon(cfg), generator, on_turn, ro.env_timeout_s,
                       schedule=ro.schedule)
-        failed[lo:lo + len(chunk)] = out.failed
-        errors += [i["error"] for i, f in zip(out.infos, out.failed.tolist()) if f]
-        hi = lo + len(chunk)
-        success[lo:hi], extracted[lo:hi] = out.success, out.extracted
-        reward[lo:hi] = out.rewards.sum(1)
-        steps[lo:hi] = out.steps.float()
+        rec.add(lo, out, kept, team.names[0])
+        done_eps = lo + len(chunk)
+        if progress:
+            progress(done_eps, total, tokens)
+    seconds = time.perf_counter() - start
+    results = [rec.summary(sl, n, k, h, team.names) for sl, (_, n, h) in zip(slices, parts)]
+    overall = results[0] if len(parts) == 1 else rec.summary(range(total), total // k, k, run_horizon(cfg), team.names)
+    overall.update(generated_tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
+                   temperature=ev.temperature, seed=ev.seed)
+    if len(parts) > 1:
+        overall["micro_accuracy"], overall["micro_ci95"] = overall["accuracy"], overall["ci95"]
+        overall["accuracy"] = sum(r["accuracy"] for r in results) / len(results)
+        overall["ci95"] = macro_interval(results)
+        overall["tasks"] = {task: r for (task, _, _), r in zip(parts, results)}
+    return overall
+
+
+class _Record:
+    """What an evaluation's episodes gave, episode by episode (``add`` each rollout of a chunk)."""
+
+    def __init__(self, total: int):
+        self.success = torch.zeros(total, dtype=torch.bool)
+        self.extracted = torch.zeros(total, dtype=torch.bool)
+        self.reward = torch.zeros(total)
+        self.steps = torch.zeros(total)
+        self.failed = torch.zeros(total, dtype=torch.bool)
+        self.errors: dict[int, str] = {}
+        self.rows: list[tuple[int, str, float, float]] = []  # (episode, agent, reply tokens, cut)
+        self.openings: dict[int, str] = {}  # episode -> its opening state (every agent's part): distinct problems
+        self.transcripts: dict[int, dict] = {}
+
+    def add(self, lo: int, out, kept: dict[int, int], first_agent: str) -> None:
+        hi = lo + len(out.steps)
+        self.failed[lo:hi] = out.failed
+        self.errors.update({lo + e: i["error"] for e, (i, f) in enumerate(zip(out.infos, out.failed.tolist())) if f})
+        self.success[lo:hi], self.extracted[lo:hi] = out.success, out.extracted
+        self.reward[lo:hi] = out.rewards.sum(1)
+        self.steps[lo:hi] = out.steps.float()
         here = {e - lo for e in kept if lo <= e < hi}  # this chunk's episodes whose transcript is kept
         for t in out.turns:
+            lengths, cut = t.response_mask.sum(1).float().tolist(), t.truncated.float().tolist()
             for row, e in enumerate(t.episodes.tolist()):
+                self.rows.append((lo + e, t.agent, lengths[row], cut[row]))
+                if t.step == 0 and t.agent == first_agent:
+                    self.openings[lo + e] = t.states[row]
                 if e in here:
-                    rec = transcripts.setdefault(lo + e, {"problem": kept[lo + e], "observation": t.states[row], "turns": []})
+                    rec = self.transcripts.setdefault(lo + e, {"problem": kept[lo + e], "observation": t.states[row], "turns": []})
                     rec["turns"].append({"step": t.step, "agent": t.agent, "reply": t.texts[row],
                                          "truncated": bool(t.truncated[row])})
-            if t.step == 0 and t.agent == team.names[0]:
-                texts.update(t.states)
-            lengths[t.agent] += t.response_mask.sum(1).float().tolist()
-            truncated[t.agent] += t.truncated.float().tolist()
         for e in here:  # an episode that failed before its first turn has a transcript without turns
-            rec = transcripts.setdefault(lo + e, {"problem": kept[lo + e], "observation": None, "turns": []})
+            rec = self.transcripts.setdefault(lo + e, {"problem": kept[lo + e], "observation": None, "turns": []})
             rec.update(correct=bool(out.success[e]), answer=out.infos[e].get("answer"), error=out.infos[e].get("error"))
-        gen_seconds += out.gen_seconds
-        done_eps = hi
-        if progress:
-            progress(done_eps, n * k, tokens)
-    seconds = time.perf_counter() - start
-    acc, ci_lo, ci_hi = accuracy_interval(success.view(n, k))
-    correct = success.view(n, k).sum(1).tolist()
-    ks = sorted({j for j in (1, 2, 5, 10, k) if j <= k})
-    solved_at = steps.view(n, k)[success.view(n, k)]  # the turn at which each success came
-    return {
-        "problems": n,
-        "distinct_problems": len(texts),  # held-out problems that are distinct texts (a small task repeats some)
-        "samples": k,
-        "accuracy": acc,
-        "ci95": [ci_lo, ci_hi],
-        "pass_at_k": {str(j): sum(pass_at_k(k, int(c), j) for c in correct) / n for j in ks},
-        "solved_by_turn": [float((solved_at <= t).sum()) / (n * k) for t in range(1, cfg.task.horizon + 1)],
-        "extraction_rate": float(extracted.float().mean()),
-        "failed_episodes": int(failed.sum()),  # the environment raised or timed out; counted as unsolved
-        "first_errors": errors[:5],
-        "mean_reward": float(reward.mean()),
-        "mean_steps": float(steps.mean()),
-        "agents": {a: {"mean_tokens": _mean(lengths[a]), "truncated": _mean(truncated[a])} for a in team.names},
-        "generated_tokens": tokens,
-        "seconds": seconds,
-        "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
-        "temperature": ev.temperature,
-        "seed": ev.seed,
-        "per_problem_success": success.view(n, k).float().mean(1).tolist(),
-        "transcripts": [transcripts[e] for e in sorted(transcripts)],
-    }
+
+    def summary(self, sl: range, n: int, k: int, horizon: int, agents: list[str]) -> dict:
+        """The result of the episodes ``sl`` (n problems x k samples, in that order)."""
+        idx = slice(sl.start, sl.stop)
+        success = self.success[idx].view(n, k)
+        acc, ci_lo, ci_hi = accuracy_interval(success)
+        correct = success.sum(1).tolist()
+        ks = sorted({j for j in (1, 2, 5, 10, k) if j <= k})
+        solved_at = self.steps[idx].view(n, k)[success]  # the turn at which each success came
+        rows = [r for r in self.rows if r[0] in sl]
+        tokens = sum(int(r[2]) for r in rows)
+        return {
+            "problems": n,
+            "distinct_problems": len({self.openings[e] for e in sl if e in self.openings}),  # held-out problems that are distinct texts
+            "samples": k,
+            "accuracy": acc,
+            "ci95": [ci_lo, ci_hi],
+            "pass_at_k": {str(j): sum(pass_at_k(k, int(c), j) for c in correct) / n for j in ks},
+            "solved_by_turn": [float((solved_at <= t).sum()) / (n * k) for t in range(1, horizon + 1)],
+            "extraction_rate": float(self.extracted[idx].float().mean()),
+            "failed_episodes": int(self.failed[idx].sum()),  # the environment raised or timed out; counted as unsolved
+            "first_errors": [self.errors[e] for e in sl if e in self.errors][:5],
+            "mean_reward": float(self.reward[idx].mean()),
+            "mean_steps": float(self.steps[idx].float().mean()),
+            "agents": {a: {"mean_tokens": _mean([r[2] for r in rows if r[1] == a]),
+                           "truncated": _mean([r[3] for r in rows if r[1] == a])} for a in agents},
+            "generated_tokens": tokens,
+            "per_problem_success": success.float().mean(1).tolist(),
+            "transcripts": [self.transcripts[e] for e in sorted(self.transcripts) if e in sl],
+        }
 
 
 def _mean(xs: list[float]) -> float:
@@ -171,7 +210,12 @@ def format_table(result: dict, title: str = "evaluation"):
     table.add_row("problems x samples", f"{result['problems']} x {result['samples']}")
     if "distinct_problems" in result:
         table.add_row("distinct problem texts", str(result["distinct_problems"]))
-    table.add_row("team accuracy (pass@1)", f"{100 * result['accuracy']:.1f}%  (95% CI {100 * lo:.1f}-{100 * hi:.1f})")
+    tasks = result.get("tasks") or {}
+    mean = f" macro mean of {len(tasks)} tasks" if tasks else ""
+    table.add_row(f"team accuracy (pass@1){mean}", f"{100 * result['accuracy']:.1f}%  (95% CI {100 * lo:.1f}-{100 * hi:.1f})")
+    for task, r in tasks.items():
+        tl, th = r["ci95"]
+        table.add_row(f"  {task} ({r['problems']} problems)", f"{100 * r['accuracy']:.1f}%  (95% CI {100 * tl:.1f}-{100 * th:.1f})")
     for j, v in result.get("pass_at_k", {}).items():
         if j != "1" or result["samples"] > 1:
             table.add_row(f"pass@{j}", f"{100 * v:.1f}%")

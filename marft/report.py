@@ -93,18 +93,20 @@ def _metrics(path: Path) -> list[dict]:
 def _labels_from_config(folder: Path) -> tuple[dict[str, str], str, int, str, int]:
     """Labels of a run outside a sweep, its seed, planned iterations, graded agent and optimiser
     steps per agent per iteration, from its config.yaml."""
-    from .config import load_config
+    from .config import horizon, load_config, task_label
     from .team import build_team
 
     cfg = load_config(folder / "config.yaml", [f"output_dir={folder}"])
     t = cfg.task
     task = t.name if t.kind in ("reasoning_gym", "code", "coop") else (Path(t.test_path).stem if t.test_path else t.env or t.kind)
+    if cfg.tasks:
+        task = "+".join(task_label(x) for x in cfg.tasks)
     team = cfg.team.preset or "+".join(a.name for a in cfg.team.agents)
     algo = cfg.train.algorithm + ("-ps" if cfg.team.share_adapter else "")
     if cfg.train.iterations == 0:
         algo = "untrained"
     tr = cfg.train  # an agent's replies per iteration (one per episode and step), in minibatches, each epoch
-    steps = tr.epochs * math.ceil(cfg.rollout.episodes * t.horizon / tr.minibatch_size)
+    steps = tr.epochs * math.ceil(cfg.rollout.episodes * horizon(cfg) / tr.minibatch_size)
     return ({"task": task, "team": team, "algorithm": algo}, str(cfg.seed), cfg.train.iterations,
             build_team(cfg.team).answering[-1], steps)
 
@@ -309,6 +311,17 @@ def _summary(results: list[dict]) -> dict | None:
     return out
 
 
+def _per_task(done: list[RunInfo], label: str) -> dict | None:
+    """A group's accuracy per task, where any of its runs trained on a mixture (its evaluations hold
+    ``tasks``): task -> {untrained, final} summaries over seeds; None for single-task groups."""
+    if not any(r.final.get("tasks") for r in done):
+        return None
+    of = lambda res: (res or {}).get("tasks") or ({label: res} if res else {})  # noqa: E731
+    names = list(dict.fromkeys(t for r in done for t in of(r.final)))
+    return {t: {"final": _summary([of(r.final)[t] for r in done if t in of(r.final)]),
+                "untrained": _summary([of(r.untrained)[t] for r in done if t in of(r.untrained)])} for t in names}
+
+
 def build_report(runs: list[RunInfo]) -> dict:
     groups: dict[tuple, list[RunInfo]] = {}
     for r in runs:
@@ -332,6 +345,7 @@ def build_report(runs: list[RunInfo]) -> dict:
                  "steps_to": [s["steps_to"] for s in speeds]} if areas else None
         rows.append({
             "labels": dict(key), "runs_complete": len(done), "runs_planned": len(members),
+            "tasks": _per_task(done, dict(key).get("task", "")),
             "final": final, "untrained": untrained,
             "delta": (final["mean"] - untrained["mean"]) if final and untrained and dict(key).get("algorithm") != "untrained" else None,
             "train_minutes": statistics.fmean(minutes) if minutes else None,
@@ -469,6 +483,21 @@ def to_markdown(report: dict, plots: list[str]) -> str:
                 parted = "yes" if c["ci95"][0] > 0 or c["ci95"][1] < 0 else "no"
                 lines.append(f"| {c['axis']} | {same} | {c['a']} | {c['b']} | {100 * c['diff']:+.1f} | "
                              f"{100 * c['ci95'][0]:+.1f} to {100 * c['ci95'][1]:+.1f} | {parted} |")
+    if any(r.get("tasks") for r in rows):
+        lines += ["", "## Per task", "",
+                  "Held-out accuracy (%) on each task's own problems: for a run trained on a mixture of tasks, each of its "
+                  "tasks (the tables above hold their macro mean); for a run trained on one task, that task. Mean ± "
+                  "standard deviation over seeds, the 95% interval over seeds:", "",
+                  "| " + " | ".join([*axes, "evaluated on", "untrained", "final", "final 95% CI (seeds)", "change"]) + " |",
+                  "|" + "---|" * (len(axes) + 5)]
+        for r in rows:
+            tasks = r.get("tasks") or ({r["labels"].get("task", ""): {"final": r["final"], "untrained": r["untrained"]}}
+                                       if r["final"] else {})
+            for task, v in tasks.items():
+                f, u = v["final"], v["untrained"]
+                change = "–" if not (f and u) or r["labels"].get("algorithm") == "untrained" else f"{100 * (f['mean'] - u['mean']):+.1f}"
+                lines.append("| " + " | ".join([*(r["labels"].get(a, "") for a in axes), task, _cell(u)[0], _cell(f)[0],
+                                                _interval(f["ci95_seeds"]) if f else "–", change]) + " |")
     ablations = [(r, a, v) for r in rows for a, v in r["without"].items()]
     if ablations:
         lines += ["", "## What each agent adds", "",

@@ -73,10 +73,13 @@ class Rollout:
     infos: list[dict] = field(default_factory=list)  # the last info of each episode
     failed: torch.Tensor | None = None  # [E] bool: the environment raised or timed out (see the module docstring)
     gen_flops: float = 0.0  # FLOPs the generation needed (marft.flops: prefill + decode, no padding)
+    tasks: list[str] | None = None  # [E] the task of each episode in a mixture (its reset's options["task"]); "" otherwise
 
     def __post_init__(self):
         if self.failed is None:
             self.failed = torch.zeros(len(self.steps), dtype=torch.bool)
+        if self.tasks is None:
+            self.tasks = [""] * len(self.steps)
 
     def select(self, keep: torch.Tensor) -> "Rollout":
         """The rollout restricted to the episodes where ``keep`` [E] is True, renumbered in order."""
@@ -94,7 +97,7 @@ class Rollout:
         idx = keep.nonzero().flatten().tolist()
         return Rollout(turns, self.rewards[keep], self.agent_rewards[keep], self.dones[keep], self.steps[keep],
                        self.success[keep], self.extracted[keep], self.seconds, self.gen_seconds,
-                       [self.infos[i] for i in idx], self.failed[keep], self.gen_flops)
+                       [self.infos[i] for i in idx], self.failed[keep], self.gen_flops, [self.tasks[i] for i in idx])
 
     @property
     def generated_tokens(self) -> int:
@@ -136,7 +139,8 @@ def merge_rollouts(parts: list[Rollout], agents: list[str]) -> Rollout:
     cat = lambda name: torch.cat([getattr(p, name) for p in parts])  # noqa: E731
     return Rollout(turns, cat("rewards"), cat("agent_rewards"), cat("dones"), cat("steps"), cat("success"),
                    cat("extracted"), max(p.seconds for p in parts), max(p.gen_seconds for p in parts),
-                   [i for p in parts for i in p.infos], cat("failed"), sum(p.gen_flops for p in parts))
+                   [i for p in parts for i in p.infos], cat("failed"), sum(p.gen_flops for p in parts),
+                   [x for p in parts for x in p.tasks])
 
 
 class EpisodeTimeout(BaseException):
@@ -316,7 +320,8 @@ def rollout(team: Team, engine: "Engine | TeamModel", make_env: Callable[[], Tea
         if steps[e] > 0:
             dones[e, steps[e] - 1] = True
     return Rollout(turns, rewards, agent_rewards, dones, steps, success, extracted,
-                   time.perf_counter() - start, gen_seconds, infos, failed, gen_flops)
+                   time.perf_counter() - start, gen_seconds, infos, failed, gen_flops,
+                   [str(r[1].get("task", "")) for r in resets])
 
 
 def _limited(sampling: Sampling, agent) -> Sampling:

@@ -10,7 +10,8 @@ Each tracker gets the same scalars: every int or float (not bool) value of an it
 under its own key (``reward``, ``planner/entropy``, ``mfu/iteration``), and of each evaluation
 ``eval/<tag>/accuracy``, ``eval/<tag>/ci95_low``, ``eval/<tag>/ci95_high``,
 ``eval/<tag>/extraction_rate`` and ``eval/accuracy`` (the accuracy curve across evaluations; not for
-ablations, which evaluate a team without some agent). W&B also gets the config (``wandb.config``)
+ablations, which evaluate a team without some agent); for a mixture of tasks the same per task,
+``eval/<tag>/<task>/accuracy``, beside the macro mean. W&B also gets the config (``wandb.config``)
 and each evaluation's transcripts and per-agent numbers as tables; MLflow the config as params
 (dotted keys: ``train.lr``) and as the artifact ``config.yaml``, and each evaluation result as the
 artifact ``eval_<tag>.json``.
@@ -68,6 +69,9 @@ def eval_scalars(tag: str, result: dict) -> dict[str, float]:
         out[f"eval/{tag}/extraction_rate"] = float(result["extraction_rate"])
     if f"eval/{tag}/accuracy" in out and not result.get("without"):
         out["eval/accuracy"] = out[f"eval/{tag}/accuracy"]
+    for task, r in (result.get("tasks") or {}).items():  # a mixture: each task's own (the top is their macro mean)
+        out.update({k.replace(f"eval/{tag}/", f"eval/{tag}/{task}/", 1): v
+                    for k, v in eval_scalars(tag, {**r, "without": True}).items()})
     return out
 
 

@@ -68,6 +68,10 @@ def _print_comparison(run_dir: Path, final: dict) -> None:
     rows = [("untrained", json.loads(untrained.read_text()))] if untrained.is_file() else []
     for name, r in rows + [("trained", final)]:
         lo, hi = r["ci95"]
-        table.add_row(name, f"{100 * r['accuracy']:.1f}%", f"{100 * lo:.1f}-{100 * hi:.1f}", f"{100 * r['extraction_rate']:.1f}%")
+        mean = ", macro mean" if r.get("tasks") else ""
+        table.add_row(name + mean, f"{100 * r['accuracy']:.1f}%", f"{100 * lo:.1f}-{100 * hi:.1f}", f"{100 * r['extraction_rate']:.1f}%")
+        for task, x in (r.get("tasks") or {}).items():
+            tl, th = x["ci95"]
+            table.add_row(f"  {task}", f"{100 * x['accuracy']:.1f}%", f"{100 * tl:.1f}-{100 * th:.1f}", f"{100 * x['extraction_rate']:.1f}%")
     Console().print(table)
     print(f"trained adapters: {run_dir}/checkpoints/latest -> adapters/ (marft eval CONFIG --adapters DIR)", file=sys.stderr)

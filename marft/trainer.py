@@ -36,8 +36,9 @@ import torch
 from . import flops, losses, packing
 from .algorithms import ALGORITHMS, TargetInputs, TurnTargets
 from .checkpoints import latest_checkpoint, read_state, write_checkpoint
-from .config import RunConfig, save_config
+from .config import RunConfig, horizon, save_config, task_label
 from .engines import Engine, make_engine
+from .envs.mixture import draw_tasks, weight_at
 from .errors import UserError
 from .generation import Sampling
 from .learner import AdapterLearner, PolicyBatch, UpdateStats, metric_prefix
@@ -139,6 +140,7 @@ class Trainer:
             **{f"skipped/{k}": v for k, v in self.skipped.items()},
             "skipped/updates_in_a_row": self.bad_in_a_row,
             **self._degenerate_stats(out),
+            **self._task_stats(out),
         }
         for agent in self.team.names:
             rows = [t for t in out.turns if t.agent == agent]
@@ -164,6 +166,22 @@ class Trainer:
                  f"and are left out of the update (first: {errors[0]})")
         return out.select(keep), failed
 
+    def _task_stats(self, out: Rollout) -> dict:
+        """A mixture: per task, its share of the batch's episodes (``tasks/<task>/episodes``), its
+        training accuracy and mean episode reward (``tasks/<task>/accuracy``, ``.../reward``)."""
+        if not self.cfg.tasks:
+            return {}
+        stats, returns = {}, out.rewards.sum(1)
+        for t in self.cfg.tasks:
+            label = task_label(t)
+            mine = torch.tensor([x == label for x in out.tasks], dtype=torch.bool)
+            n = int(mine.sum())
+            stats[f"tasks/{label}/episodes"] = n
+            if n:
+                stats[f"tasks/{label}/accuracy"] = float(out.success[mine].float().mean())
+                stats[f"tasks/{label}/reward"] = float(returns[mine].mean())
+        return stats
+
     def _degenerate_stats(self, out: Rollout) -> dict:
         """How much of the batch carries no learning signal: ``degenerate/same_reward`` is the share
         of groups (grouped algorithms; otherwise the whole batch is one group) whose episodes all
@@ -184,10 +202,14 @@ class Trainer:
         cfg, tr = self.cfg, self.cfg.train
         rng = random.Random(_seed(cfg, it))
         E = cfg.rollout.episodes
-        if self.algo.grouped:
-            problems = [rng.randrange(2**62) for _ in range(E // tr.group_size)]
-            return [(p, {"split": "train"}) for p in problems for _ in range(tr.group_size)]
-        return [(rng.randrange(2**62), {"split": "train"}) for _ in range(E)]
+        size = tr.group_size if self.algo.grouped else 1
+        seeds = [rng.randrange(2**62) for _ in range(E // size)]
+        if not cfg.tasks:
+            return [(p, {"split": "train"}) for p in seeds for _ in range(size)]
+        # a mixture: each problem's task drawn by the tasks' weights at this iteration, from its own stream
+        labels = [task_label(t) for t in cfg.tasks]
+        drawn = draw_tasks(labels, [weight_at(t.weight, it) for t in cfg.tasks], len(seeds), random.Random(_seed(cfg, it, 4)))
+        return [(p, {"split": "train", "task": task}) for p, task in zip(seeds, drawn) for _ in range(size)]
 
     def _rollout(self, it: int) -> Rollout:
         return play(self.cfg, self.team, self.engine, self.make_env, self._resets(it), _seed(self.cfg, it, 1))
@@ -377,6 +399,6 @@ def play(cfg: RunConfig, team, engine: Engine, make_env, resets: list[tuple[int,
     r = cfg.rollout
     sampling = Sampling(r.temperature, r.top_p, r.top_k, r.max_new_tokens, tuple(r.stop))
     generator = torch.Generator().manual_seed(seed)
-    return rollout(team, engine, make_env, resets, sampling, cfg.task.horizon, generator,
+    return rollout(team, engine, make_env, resets, sampling, horizon(cfg), generator,
                    env_timeout_s=r.env_timeout_s, schedule=r.schedule)
 

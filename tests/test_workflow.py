@@ -240,6 +240,27 @@ def test_the_shipped_workflow_example_trains_on_the_tiny_model(tiny_overrides, t
     assert json.loads((run / "eval_final.json").read_text())["problems"] == 2
 
 
+
+def test_the_langgraph_example_trains_as_the_plain_openai_example(tiny_overrides, tmp_path):
+    """examples/langgraph_duo.py (a LangGraph graph, a node per agent) makes the same calls as
+    examples/duo_workflow.py, so marft trains it the same: metrics of every iteration and weights."""
+    pytest.importorskip("langgraph", reason="LangGraph is not installed (pip install 'marft[langgraph]')")
+    from test_api import comparable
+    from marft.checkpoints import latest_checkpoint
+    from marft.cli import main
+
+    runs = {}
+    for name in ("workflow_duo", "workflow_langgraph"):
+        runs[name] = tmp_path / name
+        assert main(["train", f"configs/{name}.yaml", *tiny_overrides, "train.iterations=2", "train.eval_every=0",
+                     "rollout.episodes=4", "train.minibatch_size=4", "eval.problems=2", "eval.samples=1",
+                     f"output_dir={runs[name]}"]) == 0
+    plain, graph = runs["workflow_duo"], runs["workflow_langgraph"]
+    assert comparable(graph) == comparable(plain) and comparable(graph)[0]["episodes/failed"] == 0
+    wa, wb = latest_checkpoint(graph), latest_checkpoint(plain)
+    files = sorted(wb.rglob("*.safetensors"))
+    assert files and all(f.read_bytes() == (wa / f.relative_to(wb)).read_bytes() for f in files)
+
 LOOP = '''
 from concurrent.futures import ThreadPoolExecutor
 
@@ -284,3 +305,32 @@ def test_a_workflow_the_config_cannot_express_trains_with_every_algorithm(algori
     assert m["episodes/failed"] == 0
     assert all(math.isfinite(v) for k, v in m.items() if isinstance(v, float))
     assert latest_checkpoint(run) is not None
+
+
+@pytest.mark.ray
+def test_a_workflow_on_a_ray_rollout_worker_repeats_the_in_process_run(tiny_overrides, tmp_path):
+    """The workflow task on a Ray rollout worker (the worker serves the team on its own engine and
+    runs the program there) gives the in-process run's metrics, two iterations."""
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'marft[ray]')")
+    from test_mixture import comparable_metrics
+    from marft.api import prepare
+    from marft.config import load_config
+    from marft.distributed import DistributedTrainer
+    from marft.trainer import Trainer
+
+    over = [*tiny_overrides, "rollout.episodes=4", "train.minibatch_size=4", "train.micro_batch_size=2", "threads=1"]
+    cfg = load_config("configs/workflow_duo.yaml", over)
+    local = Trainer(cfg, *prepare(cfg), log=lambda m: None)
+    expected = [comparable_metrics(local.iteration_step()) for _ in range(2)]
+    dcfg = load_config("configs/workflow_duo.yaml", [*over, "cluster.rollout_workers=1", "cluster.worker_cpus=0.5",
+                                                     "cluster.learner_cpus=0.5", f"output_dir={tmp_path / 'd'}"])
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    try:
+        dist = DistributedTrainer(dcfg, *prepare(dcfg), log=lambda m: None)
+        try:
+            got = [comparable_metrics(dist.iteration_step()) for _ in range(2)]
+        finally:
+            dist.close()
+    finally:
+        ray.shutdown()
+    assert got == expected and got[0]["episodes/failed"] == 0
