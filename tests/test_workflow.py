@@ -227,17 +227,22 @@ def test_a_bad_workflow_is_one_line(spec, message, tiny_model_dir, tmp_path, cap
     assert rc == 2 and len(err) == 1 and message in err[0], err
 
 
-def test_the_shipped_workflow_example_trains_on_the_tiny_model(tiny_overrides, tmp_path):
+@pytest.mark.parametrize("config", ["workflow_duo", "workflow_loop"])
+def test_the_shipped_workflow_examples_train_on_the_tiny_model(config, tiny_overrides, tmp_path):
+    """examples/duo_workflow.py, and examples/loop_workflow.py (two planner calls at once, then the
+    solver until its answer is boxed; it imports its neighbour duo_workflow.py)."""
     import json
 
     from marft.cli import main
 
     run = tmp_path / "wf"
-    assert main(["train", "configs/workflow_duo.yaml", *tiny_overrides, "train.iterations=1", "train.eval_every=0",
+    assert main(["train", f"configs/{config}.yaml", *tiny_overrides, "train.iterations=1", "train.eval_every=0",
                  "eval.problems=2", "eval.samples=1", f"output_dir={run}"]) == 0
     m = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert m["episodes/failed"] == 0 and {"planner/entropy", "solver/entropy"} <= set(m)
     assert json.loads((run / "eval_final.json").read_text())["problems"] == 2
+    if config == "workflow_loop":  # two planner steps at least (the second call starts step 1), then the solver's
+        assert json.loads((run / "eval_final.json").read_text())["mean_steps"] >= 2
 
 
 

@@ -194,7 +194,9 @@ def import_user_module(module_name: str, prefix: str):
     """Import ``package.module`` or the file ``path/to/file.py`` (as ``<prefix><file name>``).
 
     A module name resolves from the working directory too, as ``uvicorn main:app`` and pytest do:
-    ``marft env-check my_envs:MyEnv`` run in the folder that holds ``my_envs.py`` finds it.
+    ``marft env-check my_envs:MyEnv`` run in the folder that holds ``my_envs.py`` finds it. A file's
+    own folder is importable from it (``from helpers import ...`` beside ``my_team.py``), as when the
+    file is run as a script.
 
     Raises :class:`UserError` ``cannot import module ...`` when there is no such module or file or
     importing it fails (the exception's type and message are in the line).
@@ -203,6 +205,9 @@ def import_user_module(module_name: str, prefix: str):
         if not os.path.isfile(module_name):
             raise UserError(f"cannot import module {module_name!r}: no such file")
         name = prefix + os.path.splitext(os.path.basename(module_name))[0]
+        folder = os.path.dirname(os.path.abspath(module_name))
+        if folder not in sys.path:  # its neighbours import as they do when the file is run as a script
+            sys.path.append(folder)  # after the installed packages: a local file never shadows one
         try:
             loader = importlib.util.spec_from_file_location(name, module_name)
             module = importlib.util.module_from_spec(loader)
