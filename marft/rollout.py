@@ -219,8 +219,7 @@ def rollout(team: Team, engine: "Engine | TeamModel", make_env: Callable[[], Tea
         from .workflow import workflow_rollout
 
         out = workflow_rollout(team, engine, envs, resets, sampling, generator, env_timeout_s)
-        out.seconds = time.perf_counter() - start
-        out.gen_seconds = out.seconds
+        out.seconds = time.perf_counter() - start  # gen_seconds, gen_flops: the endpoint's generation
         if on_turn:
             for turn in out.turns:
                 on_turn(turn)

@@ -18,7 +18,11 @@ flight makes it "every episode is waiting", which makes the batches, and so the 
 from run to run), or when a request has waited ``patience_s`` (an episode busy elsewhere, with a
 tool, does not hold the others back for ever); without ``ready``, when no new request has come
 for ``wait_s`` seconds. Within a batch
-requests are ordered by episode and call number.
+requests are ordered by episode and call number. The batches are generated in a worker thread, or,
+while a thread runs :meth:`TeamServer.pump` (the workflow runner's, which holds the model for the
+learner too), in that thread: torch on a CPU is about 1.5x slower for every thread once two threads
+have run its operations (each brings its own OpenMP team onto the same cores), so a training run
+keeps all of them in one.
 
 Sampling settings a request carries are honoured within the run's limits: ``max_tokens`` (or
 ``max_completion_tokens``) at most the agent's reply limit (larger values are cut to it),
@@ -32,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import queue
 import secrets
 import threading
 import time
@@ -103,8 +108,12 @@ class TeamServer:
         self._counts: dict[str, int] = {}
         self._pending: list[_Pending] = []
         self._lock = threading.Lock()  # the records, read from other threads
+        self._jobs: queue.Queue | None = None  # while a thread pumps: the batches it is to generate
+        self._jobs_lock = threading.Lock()
         self._server = self._thread = self._loop = self._wake = None
         self.batches: list[tuple[str, int]] = []  # (agent, size) of every batch generated, in order
+        self.gen_seconds = 0.0  # time in the engine's generate, summed (MFU)
+        self.gen_flops = 0.0  # FLOPs those batches needed (marft.flops)
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> "TeamServer":
@@ -149,8 +158,62 @@ class TeamServer:
 
     def poke(self) -> None:
         """Something ``ready`` reads changed (an episode ended): look at the waiting requests again."""
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._wake.set)
+        self._in_loop(self._wake.set)
+
+    def _in_loop(self, fn, *args) -> None:
+        """``fn(*args)`` on the event loop's thread; nothing once the endpoint has stopped (an
+        abandoned episode's thread may end after that)."""
+        if self._loop is not None and not self._loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # closed between the check and the call
+                self._loop.call_soon_threadsafe(fn, *args)
+
+    def pump(self, done: Callable[[], bool], poll_s: float = 0.05) -> None:
+        """Generate the endpoint's batches in the calling thread until ``done()`` (checked every
+        ``poll_s`` seconds, and at once after :meth:`nudge`); without a pump they run in a worker
+        thread. Batches left when it returns fail (their episodes were abandoned)."""
+        jobs: queue.Queue = queue.Queue()
+        with self._jobs_lock:
+            self._jobs = jobs
+        try:
+            while not done():
+                try:
+                    job = jobs.get(timeout=poll_s)
+                except queue.Empty:
+                    continue
+                if job is not None:
+                    self._run_job(*job)
+        finally:
+            with self._jobs_lock:
+                self._jobs = None
+            while not jobs.empty():
+                job = jobs.get()
+                if job is not None:
+                    fn, args, future = job
+                    self._in_loop(_settle, future, None, RuntimeError("the episode was abandoned"))
+
+    def nudge(self) -> None:
+        """Have a running :meth:`pump` look at ``done()`` now."""
+        with self._jobs_lock:
+            if self._jobs is not None:
+                self._jobs.put(None)
+
+    def _run_job(self, fn, args, future) -> None:
+        try:
+            result, error = fn(*args), None
+        except Exception as e:  # noqa: BLE001 - handed to the request's coroutine
+            result, error = None, e
+        self._in_loop(_settle, future, result, error)
+
+    async def _in_generation_thread(self, fn, *args):
+        """``fn(*args)`` in the pumping thread if there is one, else in a worker thread."""
+        loop = asyncio.get_running_loop()
+        with self._jobs_lock:
+            if self._jobs is not None:
+                future = loop.create_future()
+                self._jobs.put((fn, args, future))
+            else:
+                future = loop.run_in_executor(None, fn, *args)
+        return await future
 
     def forget(self, episode: str | int) -> None:
         with self._lock:
@@ -254,7 +317,6 @@ class TeamServer:
 
     # ---------------------------------------------------------------- the batching side
     async def _batcher(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             try:  # with ready, a request that waits longer than patience_s goes anyway
                 await asyncio.wait_for(self._wake.wait(), timeout=self.patience_s if self._pending else None)
@@ -279,7 +341,7 @@ class TeamServer:
             for (agent, _), group in groups.items():
                 sampling = group[0].sampling
                 try:
-                    out = await loop.run_in_executor(None, self._generate, agent, sampling, group)
+                    out = await self._in_generation_thread(self._generate, agent, sampling, group)
                 except Exception as e:  # noqa: BLE001 - the requests fail, the endpoint goes on
                     for p in group:
                         p.future.set_exception(_Refused(500, f"generation failed: {type(e).__name__}: {e}",
@@ -314,7 +376,10 @@ class TeamServer:
         return [refused.get(id(p)) or calls[id(p)] for p in group]
 
     def _generated(self, agent: str, sampling: Sampling, group: list[_Pending]) -> list[Call]:
+        t0 = time.perf_counter()
         out = self.engine.generate(agent, [p.messages for p in group], sampling, self.generator)
+        self.gen_seconds += time.perf_counter() - t0
+        self.gen_flops += self.engine.flops(agent, out)
         self.batches.append((agent, len(group)))
         done = time.monotonic()
         calls = []
@@ -325,6 +390,16 @@ class TeamServer:
                               out.logprobs[row][mask].tolist(), bool(out.truncated[row]), out.texts[row], sampling,
                               p.started, done - p.started))
         return calls
+
+
+def _settle(future, result, error) -> None:
+    """Complete ``future`` (on the event loop's thread) unless it was cancelled meanwhile."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 def _messages(messages) -> list[dict]:

@@ -79,8 +79,9 @@ def workflow_rollout(team, engine, envs: list[WorkflowEnv], resets: list, sampli
 
     with serve_team(models, team, engine, sampling) as server:
         server.generator = generator if generator is not None else server.generator
-        return play_workflows(team, server, envs[0].workflow_fn, problems, grade, timeout_s,
-                              envs[0].success_threshold)
+        out = play_workflows(team, server, envs[0].workflow_fn, problems, grade, timeout_s, envs[0].success_threshold)
+        out.gen_seconds, out.gen_flops = server.gen_seconds, server.gen_flops
+        return out
 
 
 def play_workflows(team, server, workflow: Callable, problems: list[dict], reward: Callable,
@@ -103,6 +104,7 @@ def play_workflows(team, server, workflow: Callable, problems: list[dict], rewar
         with lock:
             running["n"] -= 1
         server.poke()
+        server.nudge()
 
     def one(e: int) -> None:
         try:
@@ -112,26 +114,31 @@ def play_workflows(team, server, workflow: Callable, problems: list[dict], rewar
                                                   max_retries=0, timeout=timeout_s) as client:
                         return await workflow(problems[e], client)
                 answers[e] = asyncio.run(go())
-            else:
-                with openai.OpenAI(base_url=server.base_url(ids[e]), api_key=server.api_key, max_retries=0,
-                                   timeout=timeout_s) as client:
-                    answers[e] = workflow(problems[e], client)
+            else:  # one connection pool for every episode (building one takes about 20 ms of CPU)
+                client = openai.OpenAI(base_url=server.base_url(ids[e]), api_key=server.api_key, max_retries=0,
+                                       timeout=timeout_s, http_client=shared)
+                answers[e] = workflow(problems[e], client)
         except Exception as err:  # noqa: BLE001 - the user's program failed: this episode only
             errors[e] = f"the workflow raised {type(err).__name__}: {err}"
         finally:
             finish()
 
     start = time.perf_counter()
+    shared = None if is_async else openai.DefaultHttpxClient()
     threads = [threading.Thread(target=one, args=(e,), daemon=True, name=f"marft-workflow-{e}") for e in range(E)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + timeout_s
+    # the batches are generated here, in the thread that also runs the learner (TeamServer.pump)
+    server.pump(lambda: running["n"] <= 0 or time.monotonic() >= deadline)
     for e, t in enumerate(threads):
         t.join(max(0.0, deadline - time.monotonic()))
         if t.is_alive():  # abandoned: it no longer holds the batches back
             errors[e] = f"the workflow ran past {timeout_s:g} s (timeout)"
             finish()
     seconds = time.perf_counter() - start
+    if shared is not None:
+        shared.close()  # an abandoned episode's next request fails (it is left out already)
     calls = [server.calls(i) for i in ids]
     for i in ids:
         server.forget(i)
