@@ -123,22 +123,93 @@ def test_failing_hanging_and_idle_workflows_fail_alone(duo):
             time.sleep(30)
         if i == 3:
             return "nothing asked"
-        agent = "planner" if i == 5 else "solver"  # 5 ends on the planner: the answer must be the last agent's
+        agent = {5: "planner", 6: "critic"}.get(i, "solver")  # 5 ends on the planner; 6 asks an agent the team lacks
         return client.chat.completions.create(model=agent, messages=[{"role": "user", "content": problem["prompt"]}]
                                               ).choices[0].message.content
 
-    problems, _ = problems_of(team, 6)
+    problems, _ = problems_of(team, 7)
     t0 = time.monotonic()
     with serve_team(models, team, engine, SAMPLING) as server:
         out = play_workflows(team, server, workflow, problems, lambda a, p: 1.0, timeout_s=3)
     assert time.monotonic() - t0 < 20
-    assert out.failed.tolist() == [False, True, True, True, False, True]
+    assert out.failed.tolist() == [False, True, True, True, False, True, True]
     assert "ValueError: my tool broke" in out.infos[1]["error"]
     assert "timeout" in out.infos[2]["error"] and "called no agent" in out.infos[3]["error"]
     assert "last call was to planner, not to solver" in out.infos[5]["error"]
-    assert out.success.tolist() == [True, False, False, False, True, False]
+    assert "NotFoundError" in out.infos[6]["error"] and "'critic' does not exist" in out.infos[6]["error"]
+    assert out.success.tolist() == [True, False, False, False, True, False, False]
     kept = out.select(~out.failed)
     assert [t.episodes.tolist() for t in kept.turns] == [[0, 1]]
+
+
+
+def test_64_concurrent_episodes_are_one_batch_per_agent(duo):
+    team, models, engine = duo
+
+    def workflow(problem, client):
+        ask = lambda agent: client.chat.completions.create(  # noqa: E731
+            model=agent, messages=[{"role": "user", "content": problem[agent]}]).choices[0].message.content
+        ask("planner")
+        return ask("solver")
+
+    problems, _ = problems_of(team, 64)
+    with serve_team(models, team, engine, SAMPLING) as server:
+        out = play_workflows(team, server, workflow, problems, lambda a, p: 1.0, timeout_s=120)
+        assert server.batches == [("planner", 64), ("solver", 64)]
+    assert not out.failed.any() and [len(t.episodes) for t in out.turns] == [64, 64]
+
+
+def _closed(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+@pytest.mark.parametrize("stop", [False, True], ids=["to the end", "stopped"])
+def test_no_port_is_left_open_after_a_run(stop, tiny_overrides, tmp_path, monkeypatch):
+    """Every endpoint a workflow run opened (one per rollout) is closed once the run is over, also
+    when it was stopped in the middle (what Ctrl-C and SIGTERM do: MarftTrainer.stop)."""
+    import marft
+    from marft.serve import TeamServer
+
+    ports, start = [], TeamServer.start
+
+    def recording(self):
+        out = start(self)
+        ports.append(self.port)
+        return out
+
+    monkeypatch.setattr(TeamServer, "start", recording)
+    cfg = marft.load_config("configs/workflow_duo.yaml", [*tiny_overrides, "train.iterations=3", "train.eval_every=0",
+                                                          "eval.problems=2", "eval.samples=1", "eval.before=false"])
+    trainer = marft.MarftTrainer(cfg)
+    if stop:
+        trainer.callbacks.append(lambda m: trainer.stop() if m["iteration"] == 1 else None)
+    result = trainer.train()
+    trainer.close()
+    assert result.stopped == stop and len(ports) == (1 if stop else 4)  # 3 rollouts and the final evaluation
+    assert all(_closed(p) for p in ports)
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_marft_serve_stops_on_a_signal_and_frees_its_port(sig, tiny_model_dir, tmp_path):
+    import re
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    args = [str(Path(sys.executable).parent / "marft"), "serve", "configs/duo_arithmetic.yaml", f"model.name={tiny_model_dir}",
+            "model.dtype=float32", "model.device=cpu", f"output_dir={tmp_path}", "--port", "0"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    m = re.search(r"127\.0\.0\.1:(\d+)/v1", line)
+    assert m, (line, proc.stderr.read() if proc.poll() is not None else "")
+    port = int(m.group(1))
+    assert not _closed(port)
+    proc.send_signal(getattr(signal, sig))
+    assert proc.wait(timeout=60) == 0 and _closed(port)
 
 
 WORKFLOW = '''
