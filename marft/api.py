@@ -567,12 +567,35 @@ class TrainedTeam:
             replies[a.name] = self.reply(a.name, answering if a.answers else problem, replies, **kwargs)
         return replies
 
+    def serve(self, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None):
+        """The trained team behind the OpenAI-compatible endpoint a workflow run trains through
+        (:mod:`marft.serve`), started: each agent a model named as the agent, with its trained
+        adapter, sampling as the config's rollout. Use it as a context manager (or ``.stop()``)::
+
+            with marft.load_team("runs/workflow_duo").serve() as server:
+                client = openai.OpenAI(base_url=server.url, api_key=server.api_key)
+        """
+        return team_server(self.config, self.team, self._models, host, port, api_key).start()
+
     def _instruction(self) -> str:
         """The answer instruction of the config's task (what its environment tells answering agents)."""
         if not hasattr(self, "_task_instruction"):
             env = env_factory(self.config, self.team)()
             self._task_instruction = env.answer_instruction() if hasattr(env, "answer_instruction") else ""
         return self._task_instruction
+
+
+def team_server(config: RunConfig, team, models, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None):
+    """A :class:`marft.serve.TeamServer` (not started) for ``team`` on ``models`` with the engine
+    ``rollout.engine`` names and the rollout's sampling; stopping it closes the engine."""
+    from .engines import make_engine
+    from .generation import Sampling
+    from .serve import serve_team
+
+    r = config.rollout
+    return serve_team(models, team, make_engine(config, models), Sampling(r.temperature, r.top_p, r.top_k, r.max_new_tokens,
+                                                                          tuple(r.stop)),
+                      api_key=api_key, host=host, port=port, seed=config.seed, owns_engine=True)
 
 
 def load_team(source: str | Path, config: RunConfig | str | Path | dict | None = None, **sections: Any) -> TrainedTeam:

@@ -161,11 +161,8 @@ def cmd_serve(args) -> int:
     import signal
     import threading
 
-    from .api import adapters_folder, prepare
+    from .api import adapters_folder, prepare, team_server
     from .config import load_config
-    from .engines import make_engine
-    from .generation import Sampling
-    from .serve import serve_team
 
     cfg = load_config(args.config, args.overrides)
     if not 0 <= args.port <= 65535:
@@ -173,14 +170,11 @@ def cmd_serve(args) -> int:
     team, models, _ = prepare(cfg)
     if args.adapters:
         models.load_adapters(adapters_folder(args.adapters))
-    r = cfg.rollout
-    engine = make_engine(cfg, models)
-    server = serve_team(models, team, engine, Sampling(r.temperature, r.top_p, r.top_k, r.max_new_tokens, tuple(r.stop)),
-                        api_key=os.environ.get("MARFT_API_KEY") or None, host=args.host, port=args.port, seed=cfg.seed)
+    server = team_server(cfg, team, models, args.host, args.port, os.environ.get("MARFT_API_KEY") or None)
     try:
         server.start()
     except (OSError, RuntimeError, SystemExit) as e:
-        engine.close()
+        server.stop()
         raise UserError(f"cannot serve on {args.host}:{args.port} ({e}); is the port in use? choose another --port") from None
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -192,7 +186,6 @@ def cmd_serve(args) -> int:
             pass
     finally:
         server.stop()
-        engine.close()
     print("marft serve: stopped", file=sys.stderr)
     return 0
 

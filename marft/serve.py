@@ -91,14 +91,17 @@ class TeamServer:
 
     ``sampling`` is the run's (its ``max_new_tokens`` the default reply limit; an agent's own
     ``max_new_tokens`` overrides it); ``tokenizer(agent)`` and ``context(agent)`` give the agent's
-    tokenizer and context length (positions); ``seed`` seeds the sampling generator.
+    tokenizer and context length (positions); ``seed`` seeds the sampling generator; with
+    ``owns_engine``, :meth:`stop` closes the engine as well.
     Use as a context manager, or :meth:`start` / :meth:`stop`.
     """
 
     def __init__(self, team, engine, sampling: Sampling, tokenizer: Callable, context: Callable[[str], int],
                  api_key: str | None = None, host: str = "127.0.0.1", port: int = 0, seed: int = 0,
-                 ready: Callable[[int], bool] | None = None, wait_s: float = 0.02, patience_s: float = 5.0):
+                 ready: Callable[[int], bool] | None = None, wait_s: float = 0.02, patience_s: float = 5.0,
+                 owns_engine: bool = False):
         self.team, self.engine, self.sampling = team, engine, sampling
+        self.owns_engine = owns_engine  # stop() closes the engine too
         self.tokenizer, self.context = tokenizer, context
         self.api_key = api_key or "sk-marft-" + secrets.token_hex(16)
         self.host, self.port = host, port
@@ -117,7 +120,11 @@ class TeamServer:
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> "TeamServer":
+        """Serve (a started server is left as it is: ``with server.start():`` works)."""
         import uvicorn
+
+        if self._server is not None and self._server.started:
+            return self
 
         config = uvicorn.Config(self.app(), host=self.host, port=self.port, log_level="warning", lifespan="on")
         self._server = uvicorn.Server(config)
@@ -136,6 +143,8 @@ class TeamServer:
             self._server.should_exit = True
             self._thread.join(timeout=10)
             self._server = None
+        if self.owns_engine:
+            self.engine.close()
 
     def __enter__(self) -> "TeamServer":
         return self.start()

@@ -410,3 +410,32 @@ def test_a_workflow_on_a_ray_rollout_worker_repeats_the_in_process_run(tiny_over
     finally:
         ray.shutdown()
     assert got == expected and got[0]["episodes/failed"] == 0
+
+
+def test_marft_eval_scores_a_workflow_and_load_team_serves_the_trained_adapters(tiny_overrides, tmp_path):
+    """After training a workflow: `marft eval --adapters` plays the workflow with the trained
+    adapters, and `marft.load_team(run).serve()` puts them behind the same kind of endpoint."""
+    import json
+
+    import openai
+
+    import marft
+    from marft.cli import main
+    from marft.team import agent_messages
+
+    run = tmp_path / "wf"
+    common = [*tiny_overrides, "eval.problems=3", "eval.samples=1"]
+    assert main(["train", "configs/workflow_duo.yaml", *common, "train.iterations=2", "train.eval_every=0",
+                 "eval.before=false", f"output_dir={run}"]) == 0
+    assert main(["eval", "configs/workflow_duo.yaml", *common, "--adapters", str(run), f"output_dir={tmp_path / 'ev'}"]) == 0
+    again = json.loads((tmp_path / "ev" / "eval.json").read_text())
+    final = json.loads((run / "eval_final.json").read_text())
+    assert again["problems"] == 3 and again["per_problem_success"] == final["per_problem_success"]
+    team = marft.load_team(run)
+    chat = agent_messages(team.team["solver"], "Calculate 2 + 3.", {})
+    with team.serve() as server:
+        client = openai.OpenAI(base_url=server.url, api_key=server.api_key)
+        assert [m.id for m in client.models.list().data] == ["planner", "solver"]
+        served = client.chat.completions.create(model="solver", messages=chat, temperature=0, max_tokens=6)
+    assert served.choices[0].message.content == team.reply("solver", "Calculate 2 + 3.", max_new_tokens=6)
+    assert _closed(server.port)
