@@ -248,8 +248,8 @@ def test_ray_shards_a_mixed_batch_as_one_process_plays_it(envs_path, base, tmp_p
     """Two rollout workers: each plays its consecutive shard of the iteration's resets (tasks
     included) with its own sampler seed; the same shards played and merged in one process give the
     same metrics, task counts included."""
-    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'marft[ray]')")
-    from marft.distributed import DistributedTrainer, shard
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'marft[ray]')")
+    from marft.distributed import shard
     from marft.distributed.driver import shard_seed
     from marft.rollout import merge_rollouts
     from marft.trainer import play
@@ -266,23 +266,32 @@ def test_ray_shards_a_mixed_batch_as_one_process_plays_it(envs_path, base, tmp_p
 
     local._rollout = sharded
     expected = [comparable_metrics(local.iteration_step()) for _ in range(2)]
-    cfg = load_config("configs/duo_arithmetic.yaml", [*over, "cluster.rollout_workers=2", "cluster.worker_cpus=0.5",
-                                                      "cluster.learner_cpus=0.5", f"output_dir={tmp_path / 'd'}"])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    try:
-        dist = DistributedTrainer(cfg, *prepare(cfg), log=lambda m: None)
-        try:
-            got = [comparable_metrics(dist.iteration_step()) for _ in range(2)]
-        finally:
-            dist.close()
-    finally:
-        ray.shutdown()
+    got = ray_metrics("configs/duo_arithmetic.yaml", [*over, "cluster.rollout_workers=2", f"output_dir={tmp_path / 'd'}"])
     assert got == expected and got[0]["tasks/vowel/episodes"] == 6
 
 
 def comparable_metrics(m: dict) -> dict:
     return {k: v for k, v in m.items() if not (k.endswith("_s") or k.startswith(("mfu/", "machine/", "distributed/", "throughput/"))
                                                 or k in ("seconds", "tokens_per_s"))}
+
+
+def ray_metrics(config: str, overrides: list[str], iterations: int = 2) -> list[dict]:
+    """The comparable metrics of ``iterations`` iterations of a DistributedTrainer on a local Ray
+    cluster of 2 CPUs (half a CPU per worker and learner), started and shut down here."""
+    import ray
+
+    from marft.distributed import DistributedTrainer
+
+    cfg = load_config(config, [*overrides, "cluster.worker_cpus=0.5", "cluster.learner_cpus=0.5"])
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    try:
+        dist = DistributedTrainer(cfg, *prepare(cfg), log=lambda m: None)
+        try:
+            return [comparable_metrics(dist.iteration_step()) for _ in range(iterations)]
+        finally:
+            dist.close()
+    finally:
+        ray.shutdown()
 
 
 # ---------------------------------------------------------------------------- sweeps and bad input

@@ -387,28 +387,17 @@ def test_a_workflow_the_config_cannot_express_trains_with_every_algorithm(algori
 def test_a_workflow_on_a_ray_rollout_worker_repeats_the_in_process_run(tiny_overrides, tmp_path):
     """The workflow task on a Ray rollout worker (the worker serves the team on its own engine and
     runs the program there) gives the in-process run's metrics, two iterations."""
-    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'marft[ray]')")
-    from test_mixture import comparable_metrics
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'marft[ray]')")
+    from test_mixture import comparable_metrics, ray_metrics
     from marft.api import prepare
     from marft.config import load_config
-    from marft.distributed import DistributedTrainer
     from marft.trainer import Trainer
 
     over = [*tiny_overrides, "rollout.episodes=4", "train.minibatch_size=4", "train.micro_batch_size=2", "threads=1"]
     cfg = load_config("configs/workflow_duo.yaml", over)
     local = Trainer(cfg, *prepare(cfg), log=lambda m: None)
     expected = [comparable_metrics(local.iteration_step()) for _ in range(2)]
-    dcfg = load_config("configs/workflow_duo.yaml", [*over, "cluster.rollout_workers=1", "cluster.worker_cpus=0.5",
-                                                     "cluster.learner_cpus=0.5", f"output_dir={tmp_path / 'd'}"])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    try:
-        dist = DistributedTrainer(dcfg, *prepare(dcfg), log=lambda m: None)
-        try:
-            got = [comparable_metrics(dist.iteration_step()) for _ in range(2)]
-        finally:
-            dist.close()
-    finally:
-        ray.shutdown()
+    got = ray_metrics("configs/workflow_duo.yaml", [*over, "cluster.rollout_workers=1", f"output_dir={tmp_path / 'd'}"])
     assert got == expected and got[0]["episodes/failed"] == 0
 
 
