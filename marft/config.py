@@ -126,7 +126,8 @@ class TaskConfig:
     workflow: str = ""
     """workflow: ``module:function`` or ``path/to/file.py:function``, called as
     ``workflow(problem, client) -> answer`` per episode (``async def`` too; :mod:`marft.workflow`);
-    the problems and the reward are the dataset task's keys, the reward called on the answer."""
+    the problems and the reward are the dataset task's keys, the reward called on the answer (a
+    number, or ``{agent: number}``: per-agent rewards)."""
     success_threshold: float = 1.0
     """dataset: a reply whose reward is at least this counts as solved (success, ends the episode)."""
     horizon: int = 1

@@ -41,7 +41,8 @@ class WorkflowEnv(DatasetEnv):
     ``task.dataset``, ``task.reward``, ...), played by the user's ``workflow`` (``task.workflow``,
     ``module:function`` or ``path/to/file.py:function``) instead of marft's team loop; the rollout
     (:func:`marft.rollout.rollout`) sees ``workflow_fn`` and calls :func:`workflow_rollout`. The
-    reward function scores the workflow's answer: ``reward(answer, record)``."""
+    reward function scores the workflow's answer: ``reward(answer, record)``, a number for the team or
+    ``{agent: number}`` per agent (:meth:`score_answer`)."""
 
     def __init__(self, agents: list[str], answering: list[str], horizon: int = 1, *, workflow: str = "", **kwargs):
         super().__init__(agents, answering, horizon, **kwargs)
@@ -57,6 +58,18 @@ class WorkflowEnv(DatasetEnv):
         if not callable(fn):
             raise UserError(f"task.workflow {workflow!r}: module {module_name!r} has no function {attr!r}")
         self.workflow_fn = fn
+
+    def score_answer(self, answer: str) -> Grade | dict[str, float]:
+        """The reward function on the workflow's answer: a :class:`Grade` of a number (the team's
+        reward), or ``{agent: number}`` when it returns per-agent rewards (agents it leaves out get 0)."""
+        from .envs.dataset import score_reply
+
+        where = f"record {self.problem.meta['index']} of the {self.problem.meta['split']} split"
+        score = score_reply(self.reward_fn, self.reward, answer, dict(self.problem.meta["record"]), where,
+                            agents=self.possible_agents)
+        if isinstance(score, dict):
+            return score
+        return Grade(correct=score >= self.success_threshold, extracted=bool((answer or "").strip()), score=score)
 
 
 def workflow_rollout(team, engine, envs: list[WorkflowEnv], resets: list, sampling, generator, timeout_s: float) -> Rollout:
@@ -74,8 +87,7 @@ def workflow_rollout(team, engine, envs: list[WorkflowEnv], resets: list, sampli
         raise UserError(f"task.kind workflow needs an engine with the team's models (hf or vllm), not {engine.name}")
 
     def grade(answer, problem):
-        env = envs[problem["_episode"]]
-        return env.grade(env.problem, answer if isinstance(answer, str) else str(answer))
+        return envs[problem["_episode"]].score_answer(answer if isinstance(answer, str) else str(answer))
 
     with serve_team(models, team, engine, sampling) as server:
         server.generator = generator if generator is not None else server.generator

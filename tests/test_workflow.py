@@ -428,3 +428,26 @@ def test_marft_eval_scores_a_workflow_and_load_team_serves_the_trained_adapters(
         served = client.chat.completions.create(model="solver", messages=chat, temperature=0, max_tokens=6)
     assert served.choices[0].message.content == team.reply("solver", "Calculate 2 + 3.", max_new_tokens=6)
     assert _closed(server.port)
+
+
+def test_a_workflow_reward_may_give_each_agent_its_own(tiny_overrides, tmp_path):
+    """task.reward returning {agent: number}: each agent's reward at the episode's last step (the
+    team reward their mean); a mapping naming an agent the team lacks fails that episode alone."""
+    from marft.api import prepare
+    from marft.config import load_config
+    from marft.trainer import Trainer
+
+    (tmp_path / "per_agent.py").write_text(
+        "def split(answer, record):\n"
+        "    return {'solver': 1.0} if record['answer'] != '2' else {'critic': 1.0}\n")
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(f'{{"question": "Calculate {i} + 1.", "answer": "{i + 1}"}}\n' for i in range(20)))
+    cfg = load_config("configs/workflow_duo.yaml", [*tiny_overrides, f"task.dataset={data}",
+                                                    f"task.reward={tmp_path / 'per_agent.py'}:split"])
+    tr = Trainer(cfg, *prepare(cfg), log=lambda m: None)
+    resets = [(0, {"split": "train", "index": i}) for i in range(4)]
+    out = __import__("marft.trainer", fromlist=["play"]).play(cfg, tr.team, tr.engine, tr.make_env, resets, 0)
+    assert out.failed.tolist() == [False, True, False, False]  # record 1's answer is "2": it names a "critic"
+    assert "rewards for ['critic']" in out.infos[1]["error"]
+    kept = ~out.failed
+    assert out.agent_rewards[kept, 0].tolist() == [[0.0, 1.0]] * 3 and out.rewards[kept, 0].tolist() == [0.5] * 3

@@ -286,13 +286,25 @@ def load_reward(spec: str) -> Callable[[str, dict], Any]:
     return fn
 
 
-def score_reply(fn: Callable, spec: str, reply: str, record: dict, where: str) -> float:
+def score_reply(fn: Callable, spec: str, reply: str, record: dict, where: str, agents: list[str] | None = None):
     """``fn(reply, record)`` as a float; a UserError naming ``spec`` if it raises or returns
-    anything but a finite number or a bool. ``where`` says which record (for the message)."""
+    anything but a finite number or a bool. ``where`` says which record (for the message). With
+    ``agents``, a mapping ``{agent: number}`` (per-agent rewards, agents among ``agents``) is
+    accepted too and returned as ``{agent: float}``."""
     try:
         value = fn(reply, record)
     except Exception as e:  # noqa: BLE001 - the user's function
         raise UserError(f"task.reward {spec} raised {_one_line(e)} on {where}") from e
+    if agents is not None and isinstance(value, dict):
+        unknown = [k for k in value if k not in agents]
+        if not value or unknown:
+            raise UserError(f"task.reward {spec} returned rewards for {unknown or 'no agent'} on {where}; "
+                            f"per-agent rewards are {{agent: number}} for agents of the team ({', '.join(agents)})")
+        return {k: _number(v, spec, where) for k, v in value.items()}
+    return _number(value, spec, where)
+
+
+def _number(value, spec: str, where: str) -> float:
     if isinstance(value, bool):
         return float(value)
     if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
