@@ -69,8 +69,10 @@ def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progr
     after every agent turn.
 
     A mixture of tasks (``make_env`` a :class:`marft.envs.mixture.MixtureFactory` of several) is
-    scored on every task's own first ``eval.problems`` held-out problems: the result holds a result
-    per task under ``tasks`` (each as a single task's), and at its top the macro mean over tasks
+    scored on every task's own first ``eval.problems`` held-out problems, each task in batches of its
+    own from the same sampling seed (so a task scores as it would evaluated alone, given the same
+    weights): the result holds a result per task under ``tasks`` (each as a single task's), and at
+    its top the macro mean over tasks
     (``accuracy``, its ``ci95`` by :func:`marft.envs.mixture.macro_interval`; ``micro_accuracy``
     over all episodes); the other top figures are over all episodes."""
     if isinstance(models, TeamModel):
@@ -90,7 +92,6 @@ def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progr
     else:
         parts = [(None, min(ev.problems, num_problems) if num_problems else ev.problems, run_horizon(cfg))]
     sampling = Sampling(ev.temperature, ro.top_p, ro.top_k, ro.max_new_tokens, tuple(ro.stop))
-    generator = torch.Generator().manual_seed(ev.seed)
     resets, slices, kept = [], [], {}  # kept: episode -> problem, first sample of the first eval.transcripts problems
     for task, n, _ in parts:
         kept.update({len(resets) + i * k: i for i in range(min(ev.transcripts, n))})
@@ -100,21 +101,24 @@ def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progr
     rec = _Record(total)
     tokens, start = 0, time.perf_counter()
     done_eps = 0
-    for lo in range(0, total, ro.episodes):
-        chunk = resets[lo:lo + ro.episodes]
+    for sl, (_, _, h) in zip(slices, parts):
+        # each task from the same sampling seed, in batches of its own: its result is the one it gets evaluated alone
+        generator = torch.Generator().manual_seed(ev.seed)
+        for lo in range(sl.start, sl.stop, ro.episodes):
+            chunk = resets[lo:min(lo + ro.episodes, sl.stop)]
 
-        def on_turn(turn):
-            nonlocal tokens
-            tokens += int(turn.response_mask.sum())
+            def on_turn(turn):
+                nonlocal tokens
+                tokens += int(turn.response_mask.sum())
+                if progress:
+                    progress(done_eps, total, tokens)
+
+            out = rollout(team, models, make_env, chunk, sampling, h, generator, on_turn, ro.env_timeout_s,
+                          schedule=ro.schedule)
+            rec.add(lo, out, kept, team.names[0])
+            done_eps = lo + len(chunk)
             if progress:
                 progress(done_eps, total, tokens)
-
-        out = rollout(team, models, make_env, chunk, sampling, run_horizon(cfg), generator, on_turn, ro.env_timeout_s,
-                      schedule=ro.schedule)
-        rec.add(lo, out, kept, team.names[0])
-        done_eps = lo + len(chunk)
-        if progress:
-            progress(done_eps, total, tokens)
     seconds = time.perf_counter() - start
     results = [rec.summary(sl, n, k, h, team.names) for sl, (_, n, h) in zip(slices, parts)]
     overall = results[0] if len(parts) == 1 else rec.summary(range(total), total // k, k, run_horizon(cfg), team.names)

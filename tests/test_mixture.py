@@ -344,3 +344,18 @@ def test_a_file_with_both_task_and_tasks_is_refused(tmp_path):
     f.write_text("task: {kind: reasoning_gym}\ntasks: [{kind: coop, name: sum}, {kind: reasoning_gym}]\n")
     with pytest.raises(UserError, match="gives both task: .one task. and tasks: .a mixture.; keep one of them"):
         load_config(f)
+
+
+def test_each_task_of_a_mixture_is_evaluated_as_it_would_be_alone(envs_path, base, tmp_path):
+    """The same weights, the same problems and sampling seed: a task's result inside the mixture's
+    evaluation is its result evaluated alone (episodes, replies, accuracy)."""
+    from marft.api import evaluate
+
+    over = [*base, "eval.problems=6", "rollout.episodes=4", "eval.temperature=1.0"]
+    mixed = evaluate(load_config("configs/duo_arithmetic.yaml", [*over, mixture(envs_path)]))
+    alone = evaluate(load_config("configs/duo_arithmetic.yaml", [*over, "task.kind=custom", f"task.env={envs_path}:Digit",
+                                                                 "task.options={}", "task.horizon=2"]))
+    digit = mixed["tasks"]["digit"]
+    for key in ("per_problem_success", "mean_steps", "generated_tokens", "agents", "solved_by_turn"):
+        assert digit[key] == alone[key], key
+    assert [t["turns"] for t in digit["transcripts"]] == [t["turns"] for t in alone["transcripts"]]
