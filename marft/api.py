@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -55,14 +56,35 @@ def load_config(source: str | Path | dict | RunConfig | None = None, overrides: 
             pairs.append((key, value))
     if isinstance(source, RunConfig):
         source = to_dict(source)
-    if isinstance(source, dict) and isinstance(source.get("task"), dict):
-        task = source["task"] = dict(source["task"])
-        for k in ("reward", "env"):
-            if k in task:
-                task[k] = _import_path(task[k], f"task.{k}")
-    pairs = [(o[0], _import_path(o[1], o[0])) if isinstance(o, tuple) and o[0] in ("task.reward", "task.env") else o
-             for o in pairs]
+    if isinstance(source, dict):
+        source = dict(source)
+        if isinstance(source.get("task"), dict):
+            source["task"] = _task_paths(source["task"], "task")
+        if isinstance(source.get("tasks"), list):
+            source["tasks"] = [_task_paths(t, f"tasks.{i}") if isinstance(t, dict) else t for i, t in enumerate(source["tasks"])]
+    pairs = [_override_paths(o) if isinstance(o, tuple) else o for o in pairs]
     return _load_config(source, pairs)
+
+
+def _task_paths(task: dict, where: str) -> dict:
+    """A task's settings with a reward function, workflow or environment class given as the object
+    itself turned into its import path."""
+    task = dict(task)
+    for k in ("reward", "env", "workflow"):
+        if k in task:
+            task[k] = _import_path(task[k], f"{where}.{k}")
+    return task
+
+
+def _override_paths(pair: tuple) -> tuple:
+    """``(key, value)``: the same for ``task.reward`` (``tasks.N.reward``, ``.env``, ``.workflow``),
+    and for ``tasks`` given whole as a list of dicts."""
+    key, value = pair
+    if key == "tasks" and isinstance(value, list):
+        return key, [_task_paths(t, f"tasks.{i}") if isinstance(t, dict) else t for i, t in enumerate(value)]
+    if re.fullmatch(r"(task|tasks\.\d+)\.(reward|env|workflow)", key):
+        return key, _import_path(value, key)
+    return pair
 
 
 def _import_path(value: Any, key: str) -> Any:
@@ -555,12 +577,13 @@ class TrainedTeam:
                                      eos_token_id=stop_token_ids(model, tok), pad_token_id=tok.pad_token_id)
         return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
-    def solve(self, problem: str, instruction: str | None = None, **kwargs: Any) -> dict[str, str]:
+    def solve(self, problem: str, instruction: str | None = None, task: str | None = None, **kwargs: Any) -> dict[str, str]:
         """One step of the team on ``problem``, as in training: every agent once, in acting order,
         each reading the replies it sees, the answering agents told ``instruction`` (None: the
-        task's own, e.g. "Give the final answer in \\boxed{}."; "": nothing). ``{agent: reply}``."""
+        task's own, e.g. "Give the final answer in \\boxed{}."; "": nothing; a team trained on
+        several tasks: the own instruction of ``task``, one of their labels). ``{agent: reply}``."""
         if instruction is None:
-            instruction = self._instruction()
+            instruction = self._instruction(task)
         answering = problem + f"\n\n{instruction}" if instruction else problem
         replies: dict[str, str] = {}
         for a in self.team.agents:
@@ -577,12 +600,25 @@ class TrainedTeam:
         """
         return team_server(self.config, self.team, self._models, host, port, api_key).start()
 
-    def _instruction(self) -> str:
-        """The answer instruction of the config's task (what its environment tells answering agents)."""
-        if not hasattr(self, "_task_instruction"):
-            env = env_factory(self.config, self.team)()
-            self._task_instruction = env.answer_instruction() if hasattr(env, "answer_instruction") else ""
-        return self._task_instruction
+    def _instruction(self, task: str | None = None) -> str:
+        """The answer instruction of the config's task (what its environment tells answering
+        agents); of a mixture, of its task ``task``."""
+        from .envs.mixture import MixtureFactory
+
+        cache = self.__dict__.setdefault("_task_instructions", {})
+        if task not in cache:
+            make_env = env_factory(self.config, self.team)
+            if isinstance(make_env, MixtureFactory):
+                labels = make_env.labels
+                if task is None and len(labels) > 1:
+                    raise UserError(f"this team was trained on several tasks ({', '.join(labels)}); say which one "
+                                    f"the problem is of: solve(problem, task={labels[0]!r}), or give instruction=...")
+                if task is not None and task not in labels:
+                    raise UserError(f"unknown task {task!r}; this team's tasks are {', '.join(labels)}")
+                make_env = make_env.factories[task or labels[0]]
+            env = make_env()
+            cache[task] = env.answer_instruction() if hasattr(env, "answer_instruction") else ""
+        return cache[task]
 
 
 def team_server(config: RunConfig, team, models, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None):

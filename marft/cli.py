@@ -198,9 +198,6 @@ def cmd_env_check(args) -> int:
     return main_check(args.env, options)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
 
 def _task_text(cfg) -> str:
     """The task of ``cfg`` in a line: ``kind:name`` (or its file), or a mixture's names."""
@@ -210,3 +207,7 @@ def _task_text(cfg) -> str:
     if cfg.tasks:
         return f"mixture of {task_label(cfg)}"
     return f"{t.kind}:{t.name if t.kind in ('reasoning_gym', 'coop') else t.test_path or t.env or t.dataset}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -138,7 +139,8 @@ class TaskConfig:
     weight: Any = 1.0
     """A mixture: the task's share of each iteration's episodes, relative to the others' weights; a
     number, or a schedule ``{iteration: weight}`` read linearly between its points and constant
-    outside them (a curriculum: ``{0: 1, 30: 0.2}``)."""
+    outside them (a curriculum: ``{0: 1, 30: 0.2}``; iterations count from 0, so the first one
+    logged, iteration 1 in metrics.jsonl, draws with the weights at 0)."""
     reward_scale: float = 1.0
     """Every reward of this task is multiplied by it (1: the task's own reward as it is, 0/1 for a
     right answer, a code task's share of passing tests with ``reward: fraction``)."""
@@ -622,6 +624,8 @@ def _validate_task(t: TaskConfig, w: str) -> None:
         _check(t.success_threshold == t.success_threshold and abs(t.success_threshold) != float("inf"),
                f"{w}.success_threshold must be a finite number, got {t.success_threshold}")
     _check(_finite(t.reward_scale) and t.reward_scale > 0, f"{w}.reward_scale must be a positive number, got {t.reward_scale}")
+    _check(t.kind != "workflow" or t.reward_scale == 1,
+           f"{w}.reward_scale is for the team's built-in tasks; a workflow's reward function scales its own rewards")
     weights = t.weight if isinstance(t.weight, dict) else {None: t.weight}
     _check(bool(weights), f"{w}.weight is an empty schedule; give a number or {{iteration: weight, ...}}")
     for it, v in weights.items():
@@ -659,6 +663,9 @@ def _validate_mixture(tasks: list[TaskConfig]) -> None:
         label = task_label(t)
         _check(label not in seen, f"tasks.{seen.get(label)} and tasks.{i} are both named {label!r}; "
                                   f"give each a distinct tasks.N.label")
+        _check(re.fullmatch(r"[A-Za-z0-9_.+-]+", label) is not None,
+               f"tasks.{i}'s name {label!r} may hold only letters, digits and _ . + - (it names metrics: "
+               f"tasks/<name>/accuracy); set tasks.{i}.label")
         seen[label] = i
         _check(t.kind != "workflow", f"tasks.{i} is a workflow task, which cannot be mixed with others (the user's "
                                      "program plays the whole batch); train it alone with task:")

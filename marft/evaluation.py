@@ -129,6 +129,9 @@ def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progr
         overall["accuracy"] = sum(r["accuracy"] for r in results) / len(results)
         overall["ci95"] = macro_interval(results)
         overall["tasks"] = {task: r for (task, _, _), r in zip(parts, results)}
+        for task, r in overall["tasks"].items():
+            for t in r["transcripts"]:  # the same records as the top's: each says its task
+                t["task"] = task
     return overall
 
 

@@ -301,7 +301,14 @@ def _summary(results: list[dict]) -> dict | None:
            "seeds": len(accs), "per_seed": accs, "ci95_seeds": seed_interval(accs)}
     per = [r.get("per_problem_success") for r in results]
     out["problems"] = len(per[0]) if per[0] else None
-    if len(results) == 1:
+    tasks = [r.get("tasks") for r in results]
+    if len(results) > 1 and all(tasks) and len({tuple(t) for t in tasks}) == 1:  # mixtures: the macro mean's interval
+        from .envs.mixture import macro_interval
+
+        per_task = [_summary([t[name] for t in tasks]) for name in tasks[0]]
+        out["ci95"] = macro_interval([{"accuracy": x["mean"], "ci95": x["ci95"]} for x in per_task]) \
+            if all(x["ci95"] for x in per_task) else None
+    elif len(results) == 1:
         out["ci95"] = results[0].get("ci95")  # marft eval's own interval
     elif all(per) and len({len(x) for x in per}) == 1:
         table = torch.tensor(per, dtype=torch.float).T  # [problems, seeds]: problems are the units

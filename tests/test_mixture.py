@@ -359,3 +359,96 @@ def test_each_task_of_a_mixture_is_evaluated_as_it_would_be_alone(envs_path, bas
     for key in ("per_problem_success", "mean_steps", "generated_tokens", "agents", "solved_by_turn"):
         assert digit[key] == alone[key], key
     assert [t["turns"] for t in digit["transcripts"]] == [t["turns"] for t in alone["transcripts"]]
+
+
+class Letters(__import__("marft.envs", fromlist=["TurnBasedEnv"]).TurnBasedEnv):
+    """A task given to the Python API as the class itself."""
+
+    def new_problem(self, rng, split, index):
+        from marft.envs import Problem
+        return Problem("Say a letter.", None)
+
+    def grade(self, problem, reply):
+        from marft.envs import Grade
+        return Grade(bool(reply.strip()), True)
+
+
+def test_the_python_api_takes_classes_and_functions_in_a_mixture():
+    import marft
+
+    cfg = marft.load_config({"tasks": [{"kind": "custom", "env": Letters, "label": "letters"},
+                                       {"kind": "coop", "name": "sum"}]},
+                            [("tasks.1.reward", "unused.py:f")])
+    assert cfg.tasks[0].env == "test_mixture:Letters" and cfg.tasks[1].reward == "unused.py:f"
+    again = marft.load_config("configs/duo_arithmetic.yaml", [("tasks", [{"kind": "custom", "env": Letters},
+                                                                         {"kind": "coop", "name": "sum"}])])
+    assert again.tasks[0].env == "test_mixture:Letters"
+
+
+def test_a_trained_mixture_team_is_told_which_tasks_instruction(envs_path, base):
+    from marft.api import TrainedTeam
+
+    team = TrainedTeam(load_config("configs/duo_arithmetic.yaml", [*base, mixture(envs_path)]))
+    assert team._instruction("digit") == "Answer with digits."
+    assert team._instruction("vowel") == "Give the final answer in \\boxed{}."
+    with pytest.raises(UserError, match="trained on several tasks .vowel, digit.; say which one"):
+        team.solve("Say 3.")
+    with pytest.raises(UserError, match="unknown task 'poems'"):
+        team._instruction("poems")
+    scaled = TrainedTeam(load_config("configs/duo_arithmetic.yaml", [*base, "task.kind=coop", "task.name=sum",
+                                                                     "task.options={}", "task.reward_scale=2"]))
+    assert "boxed" in scaled._instruction()
+
+
+def test_one_task_with_scaled_rewards_plays_whatever_its_weight(envs_path, base):
+    cfg = load_config("configs/duo_arithmetic.yaml", [*base, "task.kind=custom", f"task.env={envs_path}:Vowel",
+                                                      "task.options={}", "task.reward_scale=2", "task.weight=0"])
+    make_env = env_factory(cfg, __import__("marft.team", fromlist=["build_team"]).build_team(cfg.team))
+    env = make_env()
+    env.reset(seed=1)
+    env.step("ok")
+    env.step("apple")
+    assert env.rewards == {"planner": 2.0, "solver": 2.0} and env.state().startswith("Problem:")  # one task: no "Task:" line
+
+
+def test_a_mixtures_interval_over_seeds_is_that_of_its_macro_mean():
+    from marft.report import _summary
+
+    def result(a: list[float], b: list[float]) -> dict:
+        ta = {"accuracy": sum(a) / len(a), "per_problem_success": a, "ci95": [0, 1]}
+        tb = {"accuracy": sum(b) / len(b), "per_problem_success": b, "ci95": [0, 1]}
+        return {"accuracy": (ta["accuracy"] + tb["accuracy"]) / 2, "per_problem_success": a + b, "tasks": {"a": ta, "b": tb}}
+
+    runs = [result([1, 0, 1, 1], [0] * 20), result([1, 1, 0, 1], [0] * 19 + [1])]
+    s = _summary(runs)
+    per_task = [_summary([r["tasks"][t] for r in runs]) for t in ("a", "b")]
+    assert s["mean"] == pytest.approx((0.75 + 0.025) / 2)
+    assert s["ci95"] == macro_interval([{"accuracy": x["mean"], "ci95": x["ci95"]} for x in per_task])
+    assert s["ci95"][0] < s["mean"] < s["ci95"][1]
+
+
+@pytest.mark.parametrize("tasks, message", [
+    ("[{kind: reasoning_gym, label: 'add/one'}, {kind: coop, name: sum}]", "tasks.0's name 'add/one' may hold only"),
+    ("[{kind: reasoning_gym}, {kind: coop, name: sum, reward_scale: 2}]", None),
+])
+def test_labels_name_metrics(tasks, message):
+    if message is None:
+        assert load_config("configs/duo_arithmetic.yaml", [f"tasks={tasks}"]).tasks[1].reward_scale == 2
+        return
+    with pytest.raises(UserError, match=message):
+        load_config("configs/duo_arithmetic.yaml", [f"tasks={tasks}"])
+
+
+def test_a_workflow_task_does_not_scale_its_rewards():
+    with pytest.raises(UserError, match="task.reward_scale is for the team's built-in tasks"):
+        load_config("configs/workflow_duo.yaml", ["task.reward_scale=2"])
+
+
+def test_python_dash_m_marft_cli_eval_of_a_mixture(envs_path, base, tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "marft.cli", "eval", "configs/duo_arithmetic.yaml", *base, mixture(envs_path),
+                        "eval.problems=2", f"output_dir={tmp_path / 'ev'}"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "mixture of vowel + digit" in r.stderr and set(json.loads((tmp_path / "ev" / "eval.json").read_text())["tasks"]) == {"vowel", "digit"}

@@ -12,7 +12,8 @@ held-out split. The mixture adds three things:
 - the task of an episode comes from ``options["task"]`` at reset (the trainer draws it by weight,
   :func:`draw_tasks`; evaluation names it); without one, the reset's seed draws it by the weights;
 - ``state()`` (what the centralised critic reads) starts with ``Task: <name>``, so one critic
-  values every task knowing which it is; the agents' observations are the task's own;
+  values every task knowing which it is (a "mixture" of one task, built to scale its rewards,
+  keeps its own state); the agents' observations are the task's own;
 - every reward of a task is multiplied by its ``reward_scale`` (1 by default: each task's own
   reward as it is, 0/1 for a right answer, a code task's share of passing tests with ``reward:
   fraction``).
@@ -108,7 +109,9 @@ class MixtureEnv(TeamEnv):
         options = dict(options or {})
         task = options.pop("task", None)
         m = self.mixture
-        if task is None:  # nobody chose: the seed draws by the weights at iteration 0
+        if task is None and len(m.labels) == 1:  # one task (with its rewards scaled)
+            task = m.labels[0]
+        elif task is None:  # nobody chose: the seed draws by the weights at iteration 0
             task = draw_tasks(m.labels, [weight_at(m.weights[k], 0) for k in m.labels], 1, random.Random(seed))[0]
         if task not in m.factories:
             raise ValueError(f"unknown task {task!r}; the mixture's tasks are {', '.join(m.labels)}")
@@ -146,6 +149,8 @@ class MixtureEnv(TeamEnv):
         return obs, reward * self.mixture.scales[self.task], term, trunc, info
 
     def state(self) -> str:
+        if len(self.mixture.labels) == 1:  # one task with its rewards scaled: its own state
+            return self._current().state()
         return f"Task: {self.task}\n{self._current().state()}"
 
     def num_problems(self, split: str) -> int | None:
