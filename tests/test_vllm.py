@@ -167,3 +167,27 @@ def test_the_endpoint_serves_the_team_through_the_vllm_engine(setup):
         calls = server.calls("e")
         assert [c.agent for c in calls] == team.names
         assert all(len(c.logprobs) == len(c.response_ids) > 0 for c in calls)
+
+
+def test_a_workflow_plays_on_the_vllm_engine_as_on_the_hf_engine(setup):
+    """A workflow's rollout (marft/workflow.py: the endpoint's batches generated in the calling
+    thread) on the vLLM engine gives the HF engine's replies and rewards, greedy."""
+    pytest.importorskip("openai")
+    from marft.serve import serve_team
+    from marft.workflow import play_workflows
+
+    team, models, engine = setup
+
+    def duo(problem, client):
+        plan = client.chat.completions.create(model="planner", messages=[{"role": "user", "content": problem["prompt"]}])
+        return client.chat.completions.create(model="solver", messages=[
+            {"role": "user", "content": problem["prompt"] + " " + plan.choices[0].message.content}]).choices[0].message.content
+
+    problems = [{"prompt": f"Calculate {a} + {b}."} for a, b in [(1, 2), (12, 7), (3, 9)]]
+    got = {}
+    for name, eng in (("vllm", engine), ("hf", HFEngine(models))):
+        with serve_team(models, team, eng, GREEDY) as server:
+            out = play_workflows(team, server, duo, problems, lambda answer, p: float(len(answer) % 2))
+        assert not out.failed.any() and server.batches == [("planner", 3), ("solver", 3)]
+        got[name] = ([t.texts for t in out.turns], out.rewards.tolist())
+    assert got["vllm"] == got["hf"]
