@@ -69,6 +69,15 @@ def base(tiny_model_dir, tmp_path):
             "eval.ablate=false", f"output_dir={tmp_path / 'run'}"]
 
 
+@pytest.fixture(autouse=True)
+def torch_threads():
+    """These runs set one torch thread (threads=1); later test files must not inherit it (their
+    numerics, and so their seeded runs, depend on the thread count)."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def trainer_for(overrides) -> Trainer:
     cfg = load_config("configs/duo_arithmetic.yaml", overrides)
     team, models, make_env = prepare(cfg)
