@@ -370,11 +370,18 @@ def build_report(runs: list[RunInfo]) -> dict:
     # algorithm label is "untrained" (a train.iterations=0 run) and whose other labels are the same
     baseline = {tuple((k, v) for k, v in r["labels"].items() if k != "algorithm"): r["final"]
                 for r in rows if r["labels"].get("algorithm") == "untrained"}
+    per_task_baseline = {tuple((k, v) for k, v in r["labels"].items() if k != "algorithm"): r["tasks"]
+                         for r in rows if r["labels"].get("algorithm") == "untrained" and r.get("tasks")}
     for r in rows:
+        key = tuple((k, v) for k, v in r["labels"].items() if k != "algorithm")
         if r["untrained"] is None and r["labels"].get("algorithm") not in (None, "untrained"):
-            r["untrained"] = baseline.get(tuple((k, v) for k, v in r["labels"].items() if k != "algorithm"))
+            r["untrained"] = baseline.get(key)
             if r["final"] and r["untrained"]:
                 r["delta"] = r["final"]["mean"] - r["untrained"]["mean"]
+        for task, v in (r.get("tasks") or {}).items():  # a mixture's tasks, likewise
+            base = (per_task_baseline.get(key) or {}).get(task)
+            if v["untrained"] is None and base and r["labels"].get("algorithm") != "untrained":
+                v["untrained"] = base["final"]
     train_s = sum(m.get("seconds", 0.0) for r in runs for m in r.metrics)
     # a train.iterations=0 run's final evaluation is a copy of its untrained one: count it once
     eval_s = sum((e or {}).get("seconds", 0.0) for r in runs
