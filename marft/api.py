@@ -161,14 +161,15 @@ def env_factory(cfg: RunConfig, team):
     tasks = task_list(cfg)
     if len(tasks) == 1 and tasks[0].reward_scale == 1:
         return one(tasks[0])
+    labels = [task_label(t) for t in tasks]
     factories = {}
-    for i, t in enumerate(tasks):
+    for i, (label, t) in enumerate(zip(labels, tasks)):
         try:
-            factories[task_label(t)] = one(t)
+            factories[label] = one(t)
         except UserError as e:
-            raise UserError(f"tasks.{i} ({task_label(t)}): {e}") from None
-    return MixtureFactory(factories, {task_label(t): t.weight for t in tasks},
-                          {task_label(t): t.reward_scale for t in tasks}, {task_label(t): t.horizon for t in tasks})
+            raise UserError(f"tasks.{i} ({label}): {e}") from None
+    return MixtureFactory(factories, {k: t.weight for k, t in zip(labels, tasks)},
+                          {k: t.reward_scale for k, t in zip(labels, tasks)}, {k: t.horizon for k, t in zip(labels, tasks)})
 
 
 def _machine(models) -> dict:

@@ -621,8 +621,7 @@ def _validate_task(t: TaskConfig, w: str) -> None:
         _check(":" in t.reward, f"{w}.kind is dataset: set {w}.reward to module:function or path/to/file.py:function, "
                                 "called as reward(reply, record) -> float")
         _check(bool(t.prompt_column), f"{w}.prompt_column is empty; name the column that holds the prompt")
-        _check(t.success_threshold == t.success_threshold and abs(t.success_threshold) != float("inf"),
-               f"{w}.success_threshold must be a finite number, got {t.success_threshold}")
+        _check(_finite(t.success_threshold), f"{w}.success_threshold must be a finite number, got {t.success_threshold}")
     _check(_finite(t.reward_scale) and t.reward_scale > 0, f"{w}.reward_scale must be a positive number, got {t.reward_scale}")
     _check(t.kind != "workflow" or t.reward_scale == 1,
            f"{w}.reward_scale is for the team's built-in tasks; a workflow's reward function scales its own rewards")

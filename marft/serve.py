@@ -166,8 +166,12 @@ class TeamServer:
             return sorted(self._calls.get(str(episode), []), key=lambda c: c.index)
 
     def poke(self) -> None:
-        """Something ``ready`` reads changed (an episode ended): look at the waiting requests again."""
+        """Something ``ready`` reads changed (an episode ended): look at the waiting requests again,
+        and have a running :meth:`pump` look at its ``done()``."""
         self._in_loop(self._wake.set)
+        with self._jobs_lock:
+            if self._jobs is not None:
+                self._jobs.put(None)
 
     def _in_loop(self, fn, *args) -> None:
         """``fn(*args)`` on the event loop's thread; nothing once the endpoint has stopped (an
@@ -178,7 +182,7 @@ class TeamServer:
 
     def pump(self, done: Callable[[], bool], poll_s: float = 0.05) -> None:
         """Generate the endpoint's batches in the calling thread until ``done()`` (checked every
-        ``poll_s`` seconds, and at once after :meth:`nudge`); without a pump they run in a worker
+        ``poll_s`` seconds, and at once after :meth:`poke`); without a pump they run in a worker
         thread. Batches left when it returns fail (their episodes were abandoned)."""
         jobs: queue.Queue = queue.Queue()
         with self._jobs_lock:
@@ -197,14 +201,7 @@ class TeamServer:
             while not jobs.empty():
                 job = jobs.get()
                 if job is not None:
-                    fn, args, future = job
-                    self._in_loop(_settle, future, None, RuntimeError("the episode was abandoned"))
-
-    def nudge(self) -> None:
-        """Have a running :meth:`pump` look at ``done()`` now."""
-        with self._jobs_lock:
-            if self._jobs is not None:
-                self._jobs.put(None)
+                    self._in_loop(_settle, job[2], None, RuntimeError("the episode was abandoned"))
 
     def _run_job(self, fn, args, future) -> None:
         try:
@@ -377,8 +374,9 @@ class TeamServer:
                         param="messages", code="context_length_exceeded")
 
     def _generate(self, agent: str, sampling: Sampling, group: list[_Pending]) -> list[Call | _Refused]:
-        """One batch, in the worker thread: the tokenizer is used only here, one call at a time (a
-        fast tokenizer used from two threads at once fails), first to refuse prompts over the context."""
+        """One batch, in the generation thread (the pump's or the worker's): the tokenizer is used
+        only there, one call at a time (a fast tokenizer used from two threads at once fails), first
+        to refuse prompts over the context."""
         refused = {id(p): r for p in group if (r := self._too_long(agent, p)) is not None}
         ok = [p for p in group if id(p) not in refused]
         calls = {id(p): c for p, c in zip(ok, self._generated(agent, sampling, ok))} if ok else {}

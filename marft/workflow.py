@@ -116,7 +116,6 @@ def play_workflows(team, server, workflow: Callable, problems: list[dict], rewar
         with lock:
             running["n"] -= 1
         server.poke()
-        server.nudge()
 
     def one(e: int) -> None:
         try:

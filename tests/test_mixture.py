@@ -22,17 +22,10 @@ from marft.errors import UserError
 from marft.rollout import Rollout, Turn
 from marft.trainer import Trainer
 
+from conftest import VOWEL_ENV
 from test_api import comparable
 
-TWO_ENVS = '''
-from marft.envs.base import TurnBasedEnv, Problem, Grade
-
-class Vowel(TurnBasedEnv):
-    """Reward 1 when the reply starts with a vowel."""
-    def new_problem(self, rng, split, index):
-        return Problem("Say a word.", None)
-    def grade(self, problem, reply):
-        return Grade(reply.strip()[:1].lower() in tuple("aeiou"), True)
+TWO_ENVS = VOWEL_ENV + '''
 
 class Digit(TurnBasedEnv):
     """Reward 1 when the reply holds a digit; its problems say which number (a held-out split of 10)."""
