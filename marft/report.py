@@ -439,7 +439,7 @@ def to_markdown(report: dict, plots: list[str]) -> str:
              f"Time in the runs: {report['train_minutes'] + report['eval_minutes']:.0f} min "
              f"(training {report['train_minutes']:.0f}, evaluation {report['eval_minutes']:.0f}; the runs' own timings, "
              "summed; model loading not included).",
-             "Machines: " + ("; ".join(f"{m}: {n} run{'s' if n != 1 else ''}" for m, n in report.get("machines", {}).items())
+             "Machines (every run with a result, finished or not): " + ("; ".join(f"{m}: {n} run{'s' if n != 1 else ''}" for m, n in report.get("machines", {}).items())
                              or "none recorded") + ".", ""]
     head = [*axes, "runs", "untrained", "untrained 95% CI", "final", "per seed", "final 95% CI (problems)",
             "final 95% CI (seeds)", "change", "train min/run"]

@@ -270,5 +270,5 @@ def test_the_report_says_where_the_runs_ran(tmp_path):
     report = build_report(find_runs([str(tmp_path)]))
     assert report["machines"] == {"Intel Xeon (AMX, 2 cores), cpu, bfloat16": 1, "AMD EPYC, 2 cores": 1, "not recorded": 1}
     from marft.report import to_markdown
-    assert "Machines: Intel Xeon (AMX, 2 cores), cpu, bfloat16: 1 run; AMD EPYC, 2 cores: 1 run; not recorded: 1 run." \
+    assert "Machines (every run with a result, finished or not): Intel Xeon (AMX, 2 cores), cpu, bfloat16: 1 run; AMD EPYC, 2 cores: 1 run; not recorded: 1 run." \
         in to_markdown(report, [])
