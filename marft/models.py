@@ -176,6 +176,28 @@ def load_base(name: str, dtype: str = "auto", device: str = "auto", cache_dir: s
     return model, tok
 
 
+def _foldable_layers(model, adapter: str) -> list[tuple[str, object]] | None:
+    """The (name, LoRA layer) pairs of ``adapter`` in ``model`` whose base weight
+    :meth:`TeamModel.acting_merged` may overwrite for a while; None where one may not be."""
+    from peft.tuners.lora import LoraLayer
+
+    emb_in, emb_out = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = emb_out is not None and getattr(emb_in, "weight", None) is getattr(emb_out, "weight", False)
+    layers = []
+    for key, layer in model.named_modules():
+        if not isinstance(layer, LoraLayer):
+            continue
+        if adapter in getattr(layer, "lora_embedding_A", {}) or getattr(layer, "use_dora", {}).get(adapter):
+            return None
+        if adapter not in layer.lora_A:
+            continue
+        w = getattr(layer.get_base_layer(), "weight", None)
+        if w is None or not w.is_floating_point() or (tied and w is emb_in.weight):
+            return None
+        layers.append((key, layer))
+    return layers or None
+
+
 def _contiguous_input(module, args):
     """transformers keeps only the last positions' hidden states (``logits_to_keep``) by slicing,
     which leaves a non-contiguous [B, k, H] tensor; ``F.linear`` then takes a batched-matmul path
@@ -209,6 +231,7 @@ class TeamModel:
         self.bases: dict[str, object] = {}  # base model name -> PeftModel
         self.tokenizers: dict[str, object] = {}
         self.base_of: dict[str, str] = {}  # adapter name -> base model name
+        self._pristine: dict[str, dict[str, torch.Tensor]] = {}  # base -> adapted layer -> its weight (acting_merged)
         for agent in team.agents:
             base = agent.model or model_cfg.name
             prev = self.base_of.setdefault(agent.adapter, base)
@@ -241,6 +264,41 @@ class TeamModel:
         model, tok, adapter = self.for_agent(name)
         model.base_model.set_adapter(adapter)
         yield model, tok
+
+    @contextlib.contextmanager
+    def acting_merged(self, name: str):
+        """Like :meth:`acting`, with the agent's adapter folded into the base weights for the block:
+        each LoRA layer's base weight becomes ``W + scale * B @ A`` (summed in float32, then cast to
+        the weight's dtype) and the adapter layers are off, so a forward pass is the base model's
+        kernels alone instead of two more small products (and LoRA's float32 casts) per adapted
+        layer. Afterwards every base weight is restored bit for bit from a copy of the adapted
+        layers' weights kept once per base model (memory: those weights once more); so training,
+        the reference policy and other agents never see a merged weight. Falls back to
+        :meth:`acting` where folding would be wrong: an adapted weight that is not floating point
+        (quantised) or shared with another module (tied input and output embeddings)."""
+        model, tok, adapter = self.for_agent(name)
+        layers = _foldable_layers(model, adapter)
+        if layers is None:
+            with self.acting(name) as acted:
+                yield acted
+            return
+        model.base_model.set_adapter(adapter)
+        pristine = self._pristine.setdefault(self.base_of[adapter], {})
+        with torch.no_grad():
+            for key, layer in layers:
+                if key not in pristine:
+                    pristine[key] = layer.get_base_layer().weight.detach().clone()
+        try:
+            with torch.no_grad():
+                for key, layer in layers:
+                    w = layer.get_base_layer().weight
+                    w.copy_(pristine[key].float() + layer.get_delta_weight(adapter).float())
+            with model.disable_adapter():
+                yield model, tok
+        finally:
+            with torch.no_grad():
+                for key, layer in layers:
+                    layer.get_base_layer().weight.copy_(pristine[key])
 
     @contextlib.contextmanager
     def reference(self, name: str):
