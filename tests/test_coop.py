@@ -75,12 +75,13 @@ def test_a_small_task_says_how_many_problems_it_holds_out():
         _episode(env, index=size)
 
 
-@pytest.mark.parametrize("name,agents,chance", [("sum", DUO, 0.1), ("sum", TRIO, 0.1), ("lookup", DUO, 0.1)])
-def test_alone_the_answering_agent_is_at_chance(name, agents, chance):
+@pytest.mark.parametrize("name,agents,chance,options", [("sum", DUO, 0.1, {}), ("sum", TRIO, 0.1, {}),
+                                                         ("sum", TRIO, 0.1, {"relay": True}), ("lookup", DUO, 0.1, {})])
+def test_alone_the_answering_agent_is_at_chance(name, agents, chance, options):
     """The best any policy can do from the solver's observation alone: for each observation text, the
     most frequent gold answer, learnt on 20,000 training problems and scored on 5,000 others. By
     construction that is the chance level (1 in 10 numbers)."""
-    env = CoopEnv(*agents, name=name)
+    env = CoopEnv(*agents, name=name, **options)
     by_obs = collections.defaultdict(collections.Counter)
     for s in range(20000):
         _episode(env, seed=s)
@@ -122,7 +123,8 @@ def test_an_episode_rewards_the_team_for_the_solvers_answer():
 @pytest.mark.parametrize("kwargs,msg", [
     ({"name": "product"}, "unknown coop task"), ({"max_value": -1}, "min_value"),
     ({"min_value": 5, "max_value": 2}, "min_value"), ({"items": 1}, "items"), ({"max_value": "9"}, "whole number"),
-    ({"name": "lookup", "entries": 7}, "entries"), ({"test_share": 1.0}, "test_share")])
+    ({"name": "lookup", "entries": 7}, "entries"), ({"test_share": 1.0}, "test_share"),
+    ({"relay": 1}, "relay must be true or false"), ({"name": "lookup", "relay": True}, "relay is for the sum task")])
 def test_bad_options_are_user_errors(kwargs, msg):
     with pytest.raises(UserError, match=msg):
         CoopEnv(*DUO, **kwargs)
@@ -137,7 +139,7 @@ def test_random_draws_cover_the_space():
     assert env.num_problems("test") == 9
 
 
-@pytest.mark.parametrize("config", ["coop_duo_sum", "coop_trio_sum", "coop_duo_lookup"])
+@pytest.mark.parametrize("config", ["coop_duo_sum", "coop_trio_sum", "coop_trio_relay", "coop_duo_lookup"])
 def test_coop_configs_train_and_evaluate_on_the_tiny_model(config, tiny_overrides, tmp_path):
     """Each shipped cooperative config trains (one iteration) and evaluates: the held-out problems
     are counted as distinct texts, and the ablation evaluates the solver without each speaker."""
@@ -183,3 +185,20 @@ def test_the_solver_alone_still_gets_its_own_part_of_the_whole_problem():
     assert part.possible_agents == ["solver"]
     with pytest.raises(ValueError, match="not a part of the team"):
         CoopEnv(["solver", "speaker1"], ["solver"], team=TRIO[0])
+
+
+def test_relay_asks_each_later_speaker_for_the_running_total():
+    """relay: the first speaker states its number, each later one the total so far (its number
+    added to what it heard), the solver adds its number to the last total; a duo is unchanged."""
+    quartet = (["speaker1", "speaker2", "speaker3", "solver"], ["solver"])
+    env = CoopEnv(*quartet, name="sum", relay=True, max_value=4)
+    obs = _episode(env, seed=3)
+    values = env.problem.meta["key"][1:]
+    assert '"I hold' in obs["speaker1"] and "so far" not in obs["speaker1"]
+    for k, a in ((1, "speaker2"), (2, "speaker3")):
+        assert '"We hold T' in obs[a] and f"their number plus your {values[k]}." in obs[a], obs[a]
+    assert "the team holds so far. Add your" in obs["solver"] and f"Add your {values[3]} to that number." in obs["solver"]
+    plain = CoopEnv(*quartet, name="sum", max_value=4)
+    assert _episode(plain, seed=3)["speaker1"] == obs["speaker1"] and env.state() == plain.state()
+    assert "so far" not in _episode(plain, seed=3)["speaker2"]
+    assert _episode(CoopEnv(*DUO, name="sum", relay=True), seed=3) == _episode(CoopEnv(*DUO, name="sum"), seed=3)

@@ -50,14 +50,17 @@ class CoopEnv(TurnBasedEnv):
 
     Options: ``name`` (sum | lookup), ``min_value``/``max_value`` (the numbers, default 0-9),
     ``items`` (sum: how many item words vary the texts, 2-20, default 20), ``entries`` (lookup:
-    table rows per holding agent, default 2), ``test_share`` (the share of the item or code words
+    table rows per holding agent, default 2), ``relay`` (sum, default false: every speaker after the
+    first is told to add its number to the running total it heard and pass that on, and the last
+    agent to add its own to it: each agent's part is a sum of two numbers, however long the chain),
+    ``test_share`` (the share of the item or code words
     kept for held-out problems, default 0.25), ``seed`` (fixes the held-out stream and shifts the
     training stream).
     """
 
     def __init__(self, agents: list[str], answering: list[str], horizon: int = 1, name: str = "sum",
                  seed: int = 0, min_value: int = 0, max_value: int = 9, items: int = 20, entries: int = 2,
-                 test_share: float = 0.25, team: list[str] | None = None):
+                 test_share: float = 0.25, relay: bool = False, team: list[str] | None = None):
         super().__init__(agents, answering, horizon)
         self.team = list(team or agents)  # the whole team; ``agents`` may be a part of it (an ablation)
         if [a for a in self.team if a in agents] != list(agents):
@@ -76,7 +79,11 @@ class CoopEnv(TurnBasedEnv):
             raise UserError(f"coop task option items must be 2-{len(ITEMS)} (at least one for each split), got {items}")
         if isinstance(test_share, bool) or not isinstance(test_share, (int, float)) or not 0 < test_share < 1:
             raise UserError(f"coop task option test_share must be between 0 and 1, got {test_share!r}")
-        self.name, self.seed = name, int(seed)
+        if not isinstance(relay, bool):
+            raise UserError(f"coop task option relay must be true or false, got {relay!r}")
+        if relay and name != "sum":
+            raise UserError("coop task option relay is for the sum task (each speaker passes on the running total)")
+        self.name, self.seed, self.relay = name, int(seed), relay
         self.lo, self.hi, self.entries = min_value, max_value, entries
         vocab = range(items) if name == "sum" else range(len(WORDS))
         held = min(len(vocab) - 1, max(1, round(test_share * len(vocab))))
@@ -140,8 +147,15 @@ class CoopEnv(TurnBasedEnv):
             for k, a in enumerate(names[:-1]):
                 private[a] = (f"{goal} You hold {held[k]}. Only you know this number. "
                               f'Reply with one sentence: "I hold {held[k]}."')
-            private[names[-1]] = (f"{goal} You hold {held[-1]}. Your teammates told you how many "
-                                  f"{item} they hold. Add your {values[-1]} to their numbers.")
+                if self.relay and k > 0:  # pass on the running total instead
+                    private[a] = (f"{goal} You hold {held[k]}. Only you know this number. The teammate before you "
+                                  f"told you how many {item} the team holds so far. Reply with one sentence: "
+                                  f'"We hold T {item} so far.", where T is their number plus your {values[k]}.')
+            told = ("the teammate before you told you how many {item} the team holds so far. Add your {v} to "
+                    "that number." if self.relay and len(names) > 2 else
+                    "your teammates told you how many {item} they hold. Add your {v} to their numbers.")
+            told = told.format(item=item, v=values[-1])
+            private[names[-1]] = f"{goal} You hold {held[-1]}. {told[0].upper()}{told[1:]}"
             answer = sum(values)
             whole = f"{goal} " + "; ".join(f"{a} holds {v}" for a, v in zip(names, values)) + "."
         else:
