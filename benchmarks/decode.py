@@ -7,7 +7,14 @@ several micro-batch sizes, and the top kernels of each under torch.profiler.
 
 Prompts are chats of about ``--prompt`` tokens (a system turn and a user turn of varied length, so
 that they are left-padded like a rollout's); every variant samples ``--new`` tokens per prompt with
-the planner's adapter active, after a warm-up of its own. Tokens/s counts the generated tokens.
+the first agent's adapter active, after a warm-up of its own. Tokens/s counts the generated tokens.
+The log-prob gap is the mean |sampler - learner| log-probability of the sampled tokens, the learner
+scoring them through the adapter layers (``rollout/logprob_gap``): kernel rounding, plus for a folded
+adapter the rounding of ``W + B A`` to the weight's dtype. A fresh adapter (B = 0) folds to W
+itself; give ``--adapters`` of a trained run to see what folding a real update costs:
+
+    .venv/bin/python benchmarks/decode.py --config configs/coop_duo_sum.yaml --decode-only \
+        --adapters RUN/checkpoints/latest/adapters --episodes 32 --prompt 120 --new 24 --no-profile
 The learner rows are those prompts with ``--reply`` random reply tokens each (``--rows`` of them);
 MFU = needed FLOPs (marft.flops: forward + backward through a frozen base) / seconds / the device's
 matrix rate (marft.flops.rate_label).
@@ -28,7 +35,7 @@ import marft.generation as gen  # noqa: E402
 from marft import flops, packing  # noqa: E402
 from marft.api import prepare  # noqa: E402
 from marft.config import load_config  # noqa: E402
-from marft.generation import Sampling, encode_chats, generate  # noqa: E402
+from marft.generation import Sampling, encode_chats, generate, sequence_logprobs  # noqa: E402
 from marft.models import stop_token_ids  # noqa: E402
 
 from common import CONFIG  # noqa: E402
@@ -68,11 +75,16 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--reply", type=int, default=256)
     p.add_argument("--json")
+    p.add_argument("--adapters", help="a run's adapters folder (checkpoints/latest/adapters): act with trained "
+                                      "adapters, whose folding the log-prob gap column then measures")
+    p.add_argument("--decode-only", action="store_true", help="skip the learner's part")
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     cfg = load_config(args.config, [*args.overrides, "team.max_new_tokens={}"])
     team, models, _ = prepare(cfg)
+    if args.adapters:
+        models.load_adapters(args.adapters)
     agent = team.names[0]
     base = next(iter(models.bases.values()))
     device = next(base.parameters()).device
@@ -93,23 +105,33 @@ def main() -> None:
         gen.GROUPED_DECODE = True
         return out
 
-    # every variant but the first acts through the adapter layers (as run 2 of docs/gpu.md measured them)
-    variants = [("marft's GPU default (static loop, CUDA graph, grouped attention, adapter folded)", {"static": True}, True, "folded"),
-                ("static loop, CUDA graph, grouped attention, adapter layers", {"static": True}, True, "layers"),
+    variants = [("marft's GPU default (static loop, CUDA graph, grouped attention)", {"static": True}, True, "layers"),
+                ("the same, adapter folded into the weights (rollout.fold_adapters)", {"static": True}, True, "folded"),
                 ("static loop, CUDA graph, the model's sdpa attention", {"static": True}, False, "layers"),
                 ("static loop, no CUDA graph, grouped attention", {"static": True, "graphs": False}, True, "layers"),
                 ("the CPU's loop (dynamic cache, compaction)", {"static": False}, True, "layers"),
                 ("static loop, CUDA graph, grouped attention, adapters off (base model)", {"static": True}, True, "reference")]
-    print("| decode variant | seconds | generated tokens/s | ms per step |")
-    print("|---|---|---|---|")
+    def gap(out) -> float:
+        """Mean |sampler - learner| log-probability of the sampled tokens: the learner scores them
+        through the adapter layers in one teacher-forced pass (what rollout/logprob_gap measures)."""
+        with models.acting(agent) as (model, _), torch.no_grad():
+            lp = sequence_logprobs(model, out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask,
+                                   sampling.temperature)
+        m = out.response_mask
+        return float((lp - out.logprobs)[m].abs().mean())
+
+    print("| decode variant | seconds | generated tokens/s | ms per step | mean abs log-prob gap to the learner |")
+    print("|---|---|---|---|---|")
     for name, flags, grouped, mode in variants:
         run(flags, grouped, mode, n=min(4, args.episodes))  # warm-up
         holder = {}
         s = timed(lambda: holder.update(out=run(flags, grouped, mode)), device)
         n = int(holder["out"].response_mask.sum())
         steps = holder["out"].response_mask.shape[1]
-        print(f"| {name} | {s:.2f} | {n / s:.0f} | {1e3 * s / steps:.2f} |", flush=True)
-        result["decode"].append({"variant": name, "seconds": s, "tokens": n, "tokens_per_s": n / s, "ms_per_step": 1e3 * s / steps})
+        g = gap(holder["out"]) if mode != "reference" else None
+        print(f"| {name} | {s:.2f} | {n / s:.0f} | {1e3 * s / steps:.2f} | {'' if g is None else f'{g:.2e}'} |", flush=True)
+        result["decode"].append({"variant": name, "seconds": s, "tokens": n, "tokens_per_s": n / s,
+                                 "ms_per_step": 1e3 * s / steps, "logprob_gap": g})
     with models.acting(agent) as (model, tok):
         ids, mask = encode_chats(tok, prompts, device)
         stops = stop_token_ids(model, tok)
@@ -121,7 +143,7 @@ def main() -> None:
         model.generate(input_ids=ids[:4], attention_mask=mask[:4].long(), max_new_tokens=4, do_sample=True, pad_token_id=tok.pad_token_id)
         s = timed(hf, device)
     n = args.episodes * args.new
-    print(f"| transformers generate (adapter active) | {s:.2f} | {n / s:.0f} | {1e3 * s / args.new:.2f} |", flush=True)
+    print(f"| transformers generate (adapter active) | {s:.2f} | {n / s:.0f} | {1e3 * s / args.new:.2f} | |", flush=True)
     result["decode"].append({"variant": "transformers generate", "seconds": s, "tokens": n, "tokens_per_s": n / s})
 
     if not args.no_profile:
@@ -140,6 +162,10 @@ def main() -> None:
             print(f"\n# top operators of 16 decode steps without a CUDA graph, {label} (by self {key.split('_')[1]} time)")
             print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=60))
 
+    if args.decode_only:
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+        return
     # the learner: packed forward + backward at several micro-batch sizes
     with models.acting(agent) as (model, tok):
         g = torch.Generator().manual_seed(0)

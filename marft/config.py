@@ -187,6 +187,15 @@ class RolloutConfig:
     """Longest reply; a reply cut here is flagged truncated."""
     stop: list[str] = field(default_factory=list)
     """Extra strings that end a reply (the end-of-turn token always does)."""
+    fold_adapters: bool = False
+    """HF engine: act with the agent's adapter folded into the base weights for each batched call
+    (``W + scale * B @ A``, restored exactly afterwards) instead of through the adapter layers: a
+    decode step then runs the base model's kernels alone, which pays on a GPU, where a step is bound
+    by its kernel count (docs/gpu.md). The cost: in bf16 the folded weight is rounded once, so the
+    part of an update smaller than the weight's rounding step does not reach the sampler (the
+    learner still scores through the adapter layers: ``rollout/logprob_gap`` shows the gap). Off by
+    default until a GPU run has measured both; never folded where it would be wrong (tied or
+    embedding adapters, quantised weights)."""
     env_timeout_s: float = 300.0
     """Longest an environment's ``reset`` or ``step`` (its grading) may take; past it the episode
     fails (left out of training, counted in ``episodes/failed``) instead of the run."""

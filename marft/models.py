@@ -178,24 +178,41 @@ def load_base(name: str, dtype: str = "auto", device: str = "auto", cache_dir: s
 
 def _foldable_layers(model, adapter: str) -> list[tuple[str, object]] | None:
     """The (name, LoRA layer) pairs of ``adapter`` in ``model`` whose base weight
-    :meth:`TeamModel.acting_merged` may overwrite for a while; None where one may not be."""
+    :meth:`TeamModel.acting_merged` may overwrite for a while; None where folding would be wrong:
+    an adapter on an embedding, a LoRA variant (DoRA and others) or bias, trained copies of whole
+    modules (``modules_to_save``), a weight that is not fp32/bf16/fp16 (quantised), or one weight
+    under two adapted layers or tied to the input embeddings."""
     from peft.tuners.lora import LoraLayer
 
-    emb_in, emb_out = model.get_input_embeddings(), model.get_output_embeddings()
-    tied = emb_out is not None and getattr(emb_in, "weight", None) is getattr(emb_out, "weight", False)
-    layers = []
+    if getattr(model.peft_config.get(adapter), "modules_to_save", None) or \
+            getattr(model.peft_config.get(adapter), "trainable_token_indices", None):
+        return None
+    embeddings = {id(getattr(m, "weight", None)) for m in (model.get_input_embeddings(),) if m is not None}
+    layers, seen = [], set()
     for key, layer in model.named_modules():
         if not isinstance(layer, LoraLayer):
             continue
-        if adapter in getattr(layer, "lora_embedding_A", {}) or getattr(layer, "use_dora", {}).get(adapter):
+        if (adapter in getattr(layer, "lora_embedding_A", {}) or adapter in getattr(layer, "lora_variant", {})
+                or getattr(layer, "use_dora", {}).get(adapter) or getattr(layer, "lora_bias", {}).get(adapter)):
             return None
         if adapter not in layer.lora_A:
             continue
         w = getattr(layer.get_base_layer(), "weight", None)
-        if w is None or not w.is_floating_point() or (tied and w is emb_in.weight):
+        if (w is None or w.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+                or id(w) in embeddings or w.data_ptr() in seen):
             return None
+        seen.add(w.data_ptr())
         layers.append((key, layer))
     return layers or None
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        print(f"marft: {message}", file=sys.stderr)
 
 
 def _contiguous_input(module, args):
@@ -267,32 +284,36 @@ class TeamModel:
 
     @contextlib.contextmanager
     def acting_merged(self, name: str):
-        """Like :meth:`acting`, with the agent's adapter folded into the base weights for the block:
-        each LoRA layer's base weight becomes ``W + scale * B @ A`` (summed in float32, then cast to
-        the weight's dtype) and the adapter layers are off, so a forward pass is the base model's
-        kernels alone instead of two more small products (and LoRA's float32 casts) per adapted
-        layer. Afterwards every base weight is restored bit for bit from a copy of the adapted
-        layers' weights kept once per base model (memory: those weights once more); so training,
-        the reference policy and other agents never see a merged weight. Falls back to
-        :meth:`acting` where folding would be wrong: an adapted weight that is not floating point
-        (quantised) or shared with another module (tied input and output embeddings)."""
+        """Like :meth:`acting`, with the agent's adapter folded into the base weights for the block
+        (``rollout.fold_adapters``): each adapted layer's base weight becomes ``W + scale * B @ A``
+        (added in float32, rounded once to the weight's dtype) and the adapter layers are off, so a
+        forward pass runs the base model's kernels alone instead of two more small products (and
+        LoRA's float32 casts) per adapted layer. Afterwards every base weight is restored bit for bit
+        from a copy of the adapted layers' weights kept once per base model (memory: those weights
+        once more), so training, the reference policy and the other agents never see a folded
+        weight. Falls back to :meth:`acting` where folding would be wrong (see
+        :func:`_foldable_layers`) or the copy does not fit in memory."""
         model, tok, adapter = self.for_agent(name)
         layers = _foldable_layers(model, adapter)
-        if layers is None:
+        pristine = self._pristine.setdefault(self.base_of[adapter], {})
+        try:
+            with torch.no_grad():
+                for key, layer in layers or ():
+                    if key not in pristine:
+                        pristine[key] = layer.get_base_layer().weight.detach().clone()
+        except torch.OutOfMemoryError:
+            _warn_once("rollout.fold_adapters: no memory for a copy of the adapted weights; acting through the adapter layers")
+            pristine.clear()
+            layers = None
+        if not layers:
             with self.acting(name) as acted:
                 yield acted
             return
         model.base_model.set_adapter(adapter)
-        pristine = self._pristine.setdefault(self.base_of[adapter], {})
-        with torch.no_grad():
-            for key, layer in layers:
-                if key not in pristine:
-                    pristine[key] = layer.get_base_layer().weight.detach().clone()
         try:
             with torch.no_grad():
                 for key, layer in layers:
-                    w = layer.get_base_layer().weight
-                    w.copy_(pristine[key].float() + layer.get_delta_weight(adapter).float())
+                    layer.get_base_layer().weight.add_(layer.get_delta_weight(adapter))
             with model.disable_adapter():
                 yield model, tok
         finally:

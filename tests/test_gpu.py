@@ -88,18 +88,25 @@ def test_the_learner_token_budget_follows_the_gpu_memory(on_gpu):
 
 
 def test_the_folded_adapter_on_the_gpu(tiny_model_dir):
-    """The HF engine's GPU default (the adapter folded into the base weights, CUDA graph) replies
+    """rollout.fold_adapters on a GPU (the adapter folded into the base weights, CUDA graph) replies
     as the adapter layers do, in fp32, and leaves the base weights as they were."""
     from test_rollout import make, perturb
     from marft.engines.hf import HFEngine
+    from marft.models import _foldable_layers
 
     _, team, models = make(["model.device=cuda"], tiny_model_dir)
     perturb(models, team.adapters[0])
-    before = {n: p.clone() for n, p in next(iter(models.bases.values())).named_parameters() if "lora_" not in n}
+    model, _, adapter = models.for_agent(team.names[0])
+    assert _foldable_layers(model, adapter) is not None
+    before = {n: p.clone() for n, p in model.named_parameters() if "lora_" not in n}
+    folded = []
+    orig = models.acting_merged
+    models.acting_merged = lambda name: (folded.append(name), orig(name))[1]
     sampling = Sampling(temperature=1.0, max_new_tokens=14)
     outs = [HFEngine(models, merge=m).generate(team.names[0], CHATS, sampling, torch.Generator().manual_seed(0))
-            for m in (None, False)]
+            for m in (True, False)]
+    assert folded == [team.names[0]]
     assert torch.equal(outs[0].response_ids, outs[1].response_ids)
     assert torch.allclose(outs[0].logprobs, outs[1].logprobs, atol=1e-4, rtol=0)
-    after = dict(next(iter(models.bases.values())).named_parameters())
+    after = dict(model.named_parameters())
     assert all(torch.equal(v, after[n]) for n, v in before.items())

@@ -1,5 +1,5 @@
-"""Acting with the adapter folded into the base weights (TeamModel.acting_merged, the HF engine's
-default on a GPU): the same replies as the adapter layers give, every base weight restored bit for
+"""Acting with the adapter folded into the base weights (TeamModel.acting_merged; the HF engine with
+rollout.fold_adapters): the same replies as the adapter layers give, every base weight restored bit for
 bit afterwards (also when the block fails), the other agents and the reference policy untouched, and
 the cases where folding would be wrong left unfolded."""
 from __future__ import annotations
@@ -65,21 +65,48 @@ def test_base_weights_are_restored_bit_for_bit(duo):
                        sample(models.acting_merged(team.names[0])).response_ids)
 
 
-def test_engine_folds_by_default_only_on_a_gpu(duo):
+def test_the_engine_folds_when_the_config_asks(duo, tiny_overrides):
+    from marft.config import load_config
+    from marft.engines import make_engine
+
     team, models = duo
-    assert HFEngine(models).merge is None
+    assert make_engine(load_config(None, tiny_overrides), models).merge is False  # off by default
+    engine = make_engine(load_config(None, [*tiny_overrides, "rollout.fold_adapters=true"]), models)
+    assert engine.merge is True
     calls = []
     orig = models.acting_merged
     models.acting_merged = lambda name: (calls.append(name), orig(name))[1]
     try:
         HFEngine(models).generate(team.names[0], CHATS, SAMPLING, torch.Generator().manual_seed(0))
-        assert calls == []  # the tiny model is on the CPU
-        forced = HFEngine(models, merge=True).generate(team.names[0], CHATS, SAMPLING, torch.Generator().manual_seed(0))
+        assert calls == []
+        folded = engine.generate(team.names[0], CHATS, SAMPLING, torch.Generator().manual_seed(0))
         assert calls == [team.names[0]]
     finally:
         del models.acting_merged
-    plain = HFEngine(models, merge=False).generate(team.names[0], CHATS, SAMPLING, torch.Generator().manual_seed(0))
-    assert torch.equal(plain.response_ids, forced.response_ids)
+    plain = HFEngine(models).generate(team.names[0], CHATS, SAMPLING, torch.Generator().manual_seed(0))
+    assert torch.equal(plain.response_ids, folded.response_ids)
+
+
+def test_no_memory_for_the_copy_means_acting_through_the_layers(tiny_model_dir, monkeypatch):
+    _, team, models = make(["model.lora.target_modules=[q_proj,v_proj]"], tiny_model_dir)
+    perturb(models, team.adapters[0])
+    before = base_weights(models)
+    plain = sample(models.acting(team.names[0]))
+
+    clone, calls = torch.Tensor.clone, []
+
+    def no_memory(self, *a, **k):  # the copies run out of memory part-way (at the second)
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (a stand-in)")
+        return clone(self, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "clone", no_memory)
+    merged = sample(models.acting_merged(team.names[0]))
+    monkeypatch.undo()
+    assert torch.equal(plain.response_ids, merged.response_ids)
+    assert all(torch.equal(v, base_weights(models)[n]) for n, v in before.items())
+    assert models._pristine[models.base_of[team.adapters[0]]] == {}
 
 
 def test_tied_or_embedding_adapters_are_not_folded(tiny_model_dir):

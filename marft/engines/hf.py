@@ -14,23 +14,17 @@ from .base import Engine
 class HFEngine(Engine):
     name = "hf"
 
-    def __init__(self, models: TeamModel, fast: bool = True, merge: bool | None = None):
+    def __init__(self, models: TeamModel, fast: bool = True, merge: bool = False):
         self.models = models
         # fast False: the plain loop (no shared-prefix prefill, finished rows kept in the batch,
         # the KV cache grown by concatenation), kept to measure against
         self.flags = {} if fast else {"compact": False, "share_prefix": False, "preallocate": False, "static": False}
-        # merge (default: on a GPU, with fast): act with the adapter folded into the base weights
-        # (TeamModel.acting_merged): a decode step on a GPU is bound by its kernels, and LoRA adds two
-        # small products and two casts to every adapted layer. Off on a CPU, where the published
-        # figures were measured unmerged (merging changes bf16 rounding, so a sampled token can differ).
+        # merge (rollout.fold_adapters): act with the adapter folded into the base weights
+        # (TeamModel.acting_merged) instead of through the adapter layers
         self.merge = merge
 
     def _acting(self, agent: str):
-        merge = self.merge
-        if merge is None:
-            model, _, _ = self.models.for_agent(agent)
-            merge = not self.flags and next(model.parameters()).device.type == "cuda"
-        return self.models.acting_merged(agent) if merge else self.models.acting(agent)
+        return self.models.acting_merged(agent) if self.merge else self.models.acting(agent)
 
     def generate(self, agent: str, chats: list[list[dict]], sampling: Sampling,
                  generator: torch.Generator | None = None) -> Generated:
