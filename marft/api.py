@@ -17,7 +17,6 @@ command line), a ``{"dotted.key": value}`` dict, or a section per keyword (``tra
 from __future__ import annotations
 
 import json
-import random
 import re
 import sys
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from .config import RunConfig, load_config as _load_config, save_config, to_dict
+from .assemble import _machine, _num_problems, _quiet_libraries, _record_machine, env_factory, make_dir, prepare
 from .errors import UserError
 
 __all__ = ["MarftConfig", "MarftTrainer", "TrainResult", "TrainedTeam", "evaluate", "load_config", "load_team"]
@@ -110,107 +110,6 @@ def _flatten(data: dict, prefix: str) -> list[tuple[str, Any]]:
         key = f"{prefix}.{k}"
         out += _flatten(v, key) if isinstance(v, dict) and v else [(key, v)]
     return out
-
-
-# --------------------------------------------------------------------------------------------
-# the pieces of a run
-
-def _quiet_libraries() -> None:
-    import os
-    import warnings
-
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    warnings.filterwarnings("ignore", category=FutureWarning)
-
-
-def prepare(cfg: RunConfig):
-    """Seed, threads, team, models and environment factory for a run: ``(team, models, make_env)``."""
-    import torch
-
-    from .models import TeamModel
-    from .team import build_team
-
-    _quiet_libraries()
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    team = build_team(cfg.team)
-    make_env = env_factory(cfg, team)
-    models = TeamModel(team, cfg.model)
-    return team, models, make_env
-
-
-def env_factory(cfg: RunConfig, team):
-    """The environment factory of ``cfg.task`` for ``team`` (the whole team or a part of it); of a
-    mixture (``cfg.tasks``, or one task whose rewards are scaled), a
-    :class:`marft.envs.mixture.MixtureFactory` over each task's own."""
-    from .config import task_label, task_list
-    from .envs import DATASET_KEYS, WORKFLOW_KEYS, make_env_factory
-    from .envs.mixture import MixtureFactory
-
-    def one(t):
-        keys = WORKFLOW_KEYS if t.kind == "workflow" else DATASET_KEYS
-        return make_env_factory(t.kind, team.names, team.answering, t.horizon, t.name, dict(t.options),
-                                t.train_path, t.test_path, t.env, {k: getattr(t, k) for k in keys}, team.whole)
-
-    tasks = task_list(cfg)
-    if len(tasks) == 1 and tasks[0].reward_scale == 1:
-        return one(tasks[0])
-    labels = [task_label(t) for t in tasks]
-    factories = {}
-    for i, (label, t) in enumerate(zip(labels, tasks)):
-        try:
-            factories[label] = one(t)
-        except UserError as e:
-            raise UserError(f"tasks.{i} ({label}): {e}") from None
-    return MixtureFactory(factories, {k: t.weight for k, t in zip(labels, tasks)},
-                          {k: t.reward_scale for k, t in zip(labels, tasks)}, {k: t.horizon for k, t in zip(labels, tasks)})
-
-
-def _machine(models) -> dict:
-    """:func:`marft.machine.describe_machine` of a team's (first) base model."""
-    from .machine import describe_machine
-
-    return describe_machine(next(iter(models.bases.values())))
-
-
-def _record_machine(run_dir: Path, models, iteration: int) -> None:
-    """Append where this attempt of the run ran (CPU, GPU, device, dtype, versions) to
-    ``<run>/machine.json``: one record per start or resume, with the iteration it started from."""
-    from .evaluation import write_json
-
-    path = run_dir / "machine.json"
-    try:
-        records = json.loads(path.read_text()) if path.is_file() else []
-    except ValueError:
-        records = []
-    records = [r for r in records if r.get("from_iteration", 0) < iteration]  # a resume replaces later ones
-    write_json([*records, {"from_iteration": iteration, **_machine(models)}], path)
-
-
-def make_dir(path: Path, key: str) -> Path:
-    """Create the folder ``path`` named by config key ``key``, or say why not (a UserError)."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot create the folder {path} for {key} ({e.strerror}); choose another {key}=...") from None
-    return path
-
-
-def task_label(cfg: RunConfig) -> str:
-    from .config import task_label as label, task_list
-
-    return " + ".join(label(t) for t in task_list(cfg))
-
-
-def _num_problems(make_env) -> int | None:
-    probe = make_env()
-    return probe.num_problems("test") if hasattr(probe, "num_problems") else None  # optional for a raw TeamEnv
 
 
 # --------------------------------------------------------------------------------------------

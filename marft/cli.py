@@ -121,7 +121,8 @@ def cmd_eval(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .api import evaluate, make_dir, task_label
+    from .api import evaluate
+    from .assemble import make_dir, task_label
     from .config import load_config
     from .evaluation import format_table, write_json
 
@@ -161,7 +162,8 @@ def cmd_serve(args) -> int:
     import signal
     import threading
 
-    from .api import adapters_folder, prepare, team_server
+    from .api import adapters_folder, team_server
+    from .assemble import prepare
     from .config import load_config
 
     cfg = load_config(args.config, args.overrides)
@@ -201,7 +203,7 @@ def cmd_env_check(args) -> int:
 
 def _task_text(cfg) -> str:
     """The task of ``cfg`` in a line: ``kind:name`` (or its file), or a mixture's names."""
-    from .api import task_label
+    from .assemble import task_label
 
     t = cfg.task
     if cfg.tasks:

@@ -586,7 +586,7 @@ def sequence_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
     log softmax(logits / T); 0 where ``response_mask`` is False."""
     ids = torch.cat([prompt_ids, response_ids], 1)
     mask = torch.cat([prompt_mask, response_mask], 1).long()
-    P, R = prompt_ids.shape[1], response_ids.shape[1]
+    R = response_ids.shape[1]
     logits = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask),
                    logits_to_keep=R + 1).logits[:, :-1]
     temp = temperature if temperature > 0 else 1.0

@@ -244,8 +244,6 @@ class AdapterLearner:
             for (i, r), row in zip(mb, lp.cpu()):
                 old[i][r] = row[: old[i].shape[1]]
         if self.group:  # every learner computed its share; the others' rows are zeros
-            import torch.distributed as dist
-
             for i in sorted(old):
                 old[i] = self._reduced(old[i])
         return old

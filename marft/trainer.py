@@ -76,7 +76,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ one iteration
     def iteration_step(self) -> dict:
-        cfg, tr, it = self.cfg, self.cfg.train, self.iteration
+        it = self.iteration
         times = {}
         self.skipped = dict.fromkeys(self.skipped, 0)
         self._flops = dict.fromkeys(("behaviour", "learner"), 0.0)

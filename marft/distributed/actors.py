@@ -26,7 +26,7 @@ def _build(cfg, threads: int, with_env: bool, cwd: str = ""):
     the driver's working directory, where this machine has it (one machine, a shared file system)."""
     if cwd and os.path.isdir(cwd):
         os.chdir(cwd)
-    from ..api import _quiet_libraries, prepare
+    from ..assemble import _quiet_libraries, prepare
     from ..models import TeamModel
     from ..team import build_team
 
