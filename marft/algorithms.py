@@ -64,7 +64,7 @@ from .critic import ValueHead, prompt_features, state_features, token_features
 if TYPE_CHECKING:
     from .models import TeamModel
     from .packing import Work
-    from .rollout import Rollout, Turn
+    from .turns import Rollout, Turn
 
 
 @dataclass

@@ -45,7 +45,7 @@ from .generation import _positions
 if TYPE_CHECKING:
     from .config import RunConfig
     from .models import TeamModel
-    from .rollout import Turn
+    from .turns import Turn
 
 Pair = tuple[int, int]  # (turn index into PolicyBatch.turns, row of that turn)
 

@@ -33,7 +33,7 @@ from .engines.base import Reply, pack
 from .envs.base import Grade
 from .envs.dataset import DatasetEnv
 from .errors import UserError
-from .rollout import Rollout, Turn
+from .turns import Rollout, Turn
 
 
 class WorkflowEnv(DatasetEnv):

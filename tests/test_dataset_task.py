@@ -3,7 +3,6 @@ function; building, splits, grading, one-line errors, env-check, and a tiny-mode
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest

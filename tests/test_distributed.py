@@ -18,7 +18,7 @@ from marft.api import prepare
 from marft.cli import main
 from marft.config import load_config
 from marft.errors import UserError
-from marft.rollout import merge_rollouts
+from marft.turns import merge_rollouts
 from marft.checkpoints import latest_checkpoint
 from marft.trainer import Trainer
 

@@ -107,7 +107,7 @@ def test_the_trainer_draws_the_mix_by_weight_and_schedule_from_the_seed(envs_pat
     counts = Counter(o["task"] for it in range(200) for _, o in tr._resets(it))
     assert abs(counts["vowel"] / sum(counts.values()) - 0.75) < 0.01
     assert tr._resets(3) == trainer_for(over)._resets(3)  # the same seed, the same draw
-    plain = trainer_for([*base, f"task.kind=custom", f"task.env={envs_path}:Vowel", "task.options={}",
+    plain = trainer_for([*base, "task.kind=custom", f"task.env={envs_path}:Vowel", "task.options={}",
                          f"train.algorithm={algorithm}", "train.group_size=2"])
     assert [s for s, _ in tr._resets(5)] == [s for s, _ in plain._resets(5)]  # problem seeds as without a mixture
     if algorithm == "grpo":  # a group is one problem of one task
@@ -253,7 +253,7 @@ def test_ray_shards_a_mixed_batch_as_one_process_plays_it(envs_path, base, tmp_p
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'marft[ray]')")
     from marft.distributed import shard
     from marft.distributed.driver import shard_seed
-    from marft.rollout import merge_rollouts
+    from marft.turns import merge_rollouts
     from marft.trainer import play
 
     over = [*base, mixture(envs_path)]

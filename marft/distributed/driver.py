@@ -27,7 +27,7 @@ import time
 
 from ..errors import UserError
 from ..learner import PolicyBatch
-from ..rollout import Rollout, merge_rollouts
+from ..turns import Rollout, merge_rollouts
 from ..checkpoints import latest_checkpoint
 from ..trainer import Trainer, _gap_stat, _seed
 from .actors import Learner, RolloutWorker
