@@ -32,8 +32,11 @@ attempt killed with the sweep process is not counted).
 To end a sweep without losing work in progress, create the file ``<output_dir>/STOP`` (``touch``):
 the runs already going finish, no new run starts, and the sweep exits with status 1 (not all runs
 complete); run it again to continue. The sweep removes a ``STOP`` it finds when it starts, so the
-file only ever stops the sweep that is running. Ctrl-C (or SIGTERM) instead stops the runs in
-progress at the end of their iteration, each with a checkpoint to resume from.
+file only ever stops the sweep that is running. Ctrl-C in its terminal (SIGINT to the whole
+process group) instead stops the runs in progress at the end of their iteration, each with a
+checkpoint to resume from; so does SIGTERM sent to the process group (``kill -TERM -- -PGID``).
+A SIGTERM to the sweep process alone ends the sweep but not its runs, which go on to their end
+(send them SIGTERM too: each stops with a checkpoint).
 """
 from __future__ import annotations
 
