@@ -34,9 +34,7 @@ the runs already going finish, no new run starts, and the sweep exits with statu
 complete); run it again to continue. The sweep removes a ``STOP`` it finds when it starts, so the
 file only ever stops the sweep that is running. Ctrl-C in its terminal (SIGINT to the whole
 process group) instead stops the runs in progress at the end of their iteration, each with a
-checkpoint to resume from; so does SIGTERM sent to the process group (``kill -TERM -- -PGID``).
-A SIGTERM to the sweep process alone ends the sweep but not its runs, which go on to their end
-(send them SIGTERM too: each stops with a checkpoint).
+checkpoint to resume from; so does SIGTERM to the sweep (it passes the signal on to its runs).
 """
 from __future__ import annotations
 
@@ -44,6 +42,7 @@ import itertools
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -219,7 +218,7 @@ def run_sweep(sweep: Sweep, log=print, execute=None) -> int:
         f"({sweep.parallel} at a time, {threads} threads each), in {sweep.output_dir}")
 
     def one(run: Run) -> None:
-        if stop_file.exists():  # drain: runs in progress finish, no new one starts
+        if stop_file.exists() or _STOPPING.is_set():  # drain: runs in progress finish, no new one starts
             return
         run.folder.mkdir(parents=True, exist_ok=True)
 
@@ -291,11 +290,32 @@ def machine() -> str:
     return cpu_line()
 
 
+_RUNNING: set = set()  # the runs' processes now going (for stop_runs)
+_RUNNING_LOCK = threading.Lock()
+_STOPPING = threading.Event()  # set by stop_runs: no new run starts
+
+
 def _execute(cmd: list[str], log_path: Path) -> int:
     with open(log_path, "a") as out:
         out.write(f"\n$ {' '.join(cmd)}\n")
         out.flush()
-        return subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode
+        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        with _RUNNING_LOCK:
+            _RUNNING.add(p)
+        try:
+            return p.wait()
+        finally:
+            with _RUNNING_LOCK:
+                _RUNNING.discard(p)
+
+
+def stop_runs(signum=None, frame=None) -> None:
+    """The sweep's SIGTERM handler: no new run starts, and every run going gets SIGTERM too (it
+    finishes its iteration, writes a checkpoint and exits), so the sweep ends as after Ctrl-C."""
+    _STOPPING.set()
+    with _RUNNING_LOCK:
+        for p in _RUNNING:
+            p.send_signal(signal.SIGTERM)
 
 
 def cmd_sweep(args) -> int:
@@ -313,4 +333,5 @@ def cmd_sweep(args) -> int:
             print(f"{run.name}  [{run_state(run.folder)}]  {' '.join(run.overrides)}")
         print(f"{len(sweep.runs)} runs in {sweep.output_dir}; base {sweep.base} with {' '.join(sweep.common)}")
         return 0
+    signal.signal(signal.SIGTERM, stop_runs)
     return run_sweep(sweep, log=lambda m: print(f"marft sweep: {m}", file=sys.stderr, flush=True))

@@ -262,3 +262,29 @@ def test_command_line_overrides_parallel_and_threads(tmp_path, monkeypatch):
     monkeypatch.setattr(sweep_module, "run_sweep", lambda sweep, log: got.update(p=sweep.parallel, t=sweep.threads) or 0)
     assert main(["sweep", str(path), "--parallel", "1", "--threads", "1"]) == 0
     assert got == {"p": 1, "t": 1}
+
+
+def test_a_sigterm_to_the_sweep_reaches_its_runs(tmp_path):
+    """The sweep's SIGTERM handler passes the signal on to the runs going (each stops with a
+    checkpoint, exit 130, as marft train does) and lets no new run start."""
+    import sys
+    import threading
+    import time
+
+    from marft import sweep as sw
+
+    script = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(130)); print('up', flush=True); time.sleep(60)"
+    got = {}
+    t = threading.Thread(target=lambda: got.update(rc=sw._execute([sys.executable, "-c", script], tmp_path / "log.txt")))
+    t.start()
+    for _ in range(100):
+        if sw._RUNNING and "up" in (tmp_path / "log.txt").read_text():
+            break
+        time.sleep(0.1)
+    try:
+        sw.stop_runs()
+        t.join(20)
+        assert got.get("rc") == 130 and not sw._RUNNING
+        assert sw._STOPPING.is_set()
+    finally:
+        sw._STOPPING.clear()
