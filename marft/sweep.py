@@ -333,5 +333,9 @@ def cmd_sweep(args) -> int:
             print(f"{run.name}  [{run_state(run.folder)}]  {' '.join(run.overrides)}")
         print(f"{len(sweep.runs)} runs in {sweep.output_dir}; base {sweep.base} with {' '.join(sweep.common)}")
         return 0
-    signal.signal(signal.SIGTERM, stop_runs)
-    return run_sweep(sweep, log=lambda m: print(f"marft sweep: {m}", file=sys.stderr, flush=True))
+    previous = signal.signal(signal.SIGTERM, stop_runs)
+    try:
+        return run_sweep(sweep, log=lambda m: print(f"marft sweep: {m}", file=sys.stderr, flush=True))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        _STOPPING.clear()
