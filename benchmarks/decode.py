@@ -111,6 +111,7 @@ def main() -> None:
                 ("static loop, no CUDA graph, grouped attention", {"static": True, "graphs": False}, True, "layers"),
                 ("the CPU's loop (dynamic cache, compaction)", {"static": False}, True, "layers"),
                 ("static loop, CUDA graph, grouped attention, adapters off (base model)", {"static": True}, True, "reference")]
+
     def gap(out) -> float:
         """Mean |sampler - learner| log-probability of the sampled tokens: the learner scores them
         through the adapter layers in one teacher-forced pass (what rollout/logprob_gap measures)."""

@@ -184,8 +184,8 @@ def _foldable_layers(model, adapter: str) -> list[tuple[str, object]] | None:
     under two adapted layers or tied to the input embeddings."""
     from peft.tuners.lora import LoraLayer
 
-    if getattr(model.peft_config.get(adapter), "modules_to_save", None) or \
-            getattr(model.peft_config.get(adapter), "trainable_token_indices", None):
+    config = model.peft_config.get(adapter)
+    if getattr(config, "modules_to_save", None) or getattr(config, "trainable_token_indices", None):
         return None
     embeddings = {id(getattr(m, "weight", None)) for m in (model.get_input_embeddings(),) if m is not None}
     layers, seen = [], set()
@@ -204,15 +204,6 @@ def _foldable_layers(model, adapter: str) -> list[tuple[str, object]] | None:
         seen.add(w.data_ptr())
         layers.append((key, layer))
     return layers or None
-
-
-_WARNED: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        print(f"marft: {message}", file=sys.stderr)
 
 
 def _contiguous_input(module, args):
@@ -302,7 +293,9 @@ class TeamModel:
                     if key not in pristine:
                         pristine[key] = layer.get_base_layer().weight.detach().clone()
         except torch.OutOfMemoryError:
-            _warn_once("rollout.fold_adapters: no memory for a copy of the adapted weights; acting through the adapter layers")
+            from .generation import _warn_once
+
+            _warn_once("marft: rollout.fold_adapters: no memory for a copy of the adapted weights; acting through the adapter layers")
             pristine.clear()
             layers = None
         if not layers:

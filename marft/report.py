@@ -368,12 +368,14 @@ def build_report(runs: list[RunInfo]) -> dict:
                              r["labels"].get("algorithm") != "untrained"))
     # runs without their own untrained evaluation (eval.before=false) compare with the group whose
     # algorithm label is "untrained" (a train.iterations=0 run) and whose other labels are the same
-    baseline = {tuple((k, v) for k, v in r["labels"].items() if k != "algorithm"): r["final"]
-                for r in rows if r["labels"].get("algorithm") == "untrained"}
-    per_task_baseline = {tuple((k, v) for k, v in r["labels"].items() if k != "algorithm"): r["tasks"]
-                         for r in rows if r["labels"].get("algorithm") == "untrained" and r.get("tasks")}
+    def others(r):  # the labels but the algorithm
+        return tuple((k, v) for k, v in r["labels"].items() if k != "algorithm")
+
+    untrained = [r for r in rows if r["labels"].get("algorithm") == "untrained"]
+    baseline = {others(r): r["final"] for r in untrained}
+    per_task_baseline = {others(r): r["tasks"] for r in untrained if r.get("tasks")}
     for r in rows:
-        key = tuple((k, v) for k, v in r["labels"].items() if k != "algorithm")
+        key = others(r)
         if r["untrained"] is None and r["labels"].get("algorithm") not in (None, "untrained"):
             r["untrained"] = baseline.get(key)
             if r["final"] and r["untrained"]:

@@ -304,6 +304,9 @@ def _execute(cmd: list[str], log_path: Path) -> int:
             _RUNNING.add(p)
         try:
             return p.wait()
+        except KeyboardInterrupt:  # the run got Ctrl-C too: let it write its checkpoint
+            p.wait()
+            raise
         finally:
             with _RUNNING_LOCK:
                 _RUNNING.discard(p)

@@ -145,17 +145,18 @@ class CoopEnv(TurnBasedEnv):
             held = [f"{v} {item[:-2] if item.endswith('xes') else item[:-1]}" if v == 1 else f"{v} {item}"
                     for v in values]
             for k, a in enumerate(names[:-1]):
-                private[a] = (f"{goal} You hold {held[k]}. Only you know this number. "
-                              f'Reply with one sentence: "I hold {held[k]}."')
-                if self.relay and k > 0:  # pass on the running total instead
-                    private[a] = (f"{goal} You hold {held[k]}. Only you know this number. The teammate before you "
-                                  f"told you how many {item} the team holds so far. Reply with one sentence: "
-                                  f'"We hold T {item} so far.", where T is their number plus your {values[k]}.')
-            told = ("the teammate before you told you how many {item} the team holds so far. Add your {v} to "
-                    "that number." if self.relay and len(names) > 2 else
-                    "your teammates told you how many {item} they hold. Add your {v} to their numbers.")
-            told = told.format(item=item, v=values[-1])
-            private[names[-1]] = f"{goal} You hold {held[-1]}. {told[0].upper()}{told[1:]}"
+                if self.relay and k > 0:  # pass on the running total
+                    say = (f"The teammate before you told you how many {item} the team holds so far. Reply with one "
+                           f'sentence: "We hold T {item} so far.", where T is their number plus your {values[k]}.')
+                else:
+                    say = f'Reply with one sentence: "I hold {held[k]}."'
+                private[a] = f"{goal} You hold {held[k]}. Only you know this number. {say}"
+            if self.relay and len(names) > 2:
+                told = (f"The teammate before you told you how many {item} the team holds so far. "
+                        f"Add your {values[-1]} to that number.")
+            else:
+                told = f"Your teammates told you how many {item} they hold. Add your {values[-1]} to their numbers."
+            private[names[-1]] = f"{goal} You hold {held[-1]}. {told}"
             answer = sum(values)
             whole = f"{goal} " + "; ".join(f"{a} holds {v}" for a, v in zip(names, values)) + "."
         else:
