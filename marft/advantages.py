@@ -33,8 +33,10 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, discounts: torch.Tensor, do
         A_k     = delta_k + g_k * lam * (1 - done_k) * A_{k+1}
         R_k     = A_k + V_k
 
-    with g_k = ``discounts[:, k]``. Padding (``mask`` False) must be at the END of a row (checked);
-    padded positions contribute nothing and get advantage and return 0, whatever their values.
+    with g_k = ``discounts[:, k]`` and k + 1 the next position with ``mask`` True: positions with
+    ``mask`` False (padding at the end, or micro-steps that did not happen inside a row) are passed
+    over, contribute nothing and get advantage and return 0, whatever their values; a hole's reward
+    and discount belong on the position before it (:func:`fold_skipped` puts them there).
 
     Truncation: the last valid position of a row is normally done. If it is not (an episode cut at
     the horizon), it bootstraps from ``last_values`` (the value of the state after the cut; 0 when
@@ -42,8 +44,6 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, discounts: torch.Tensor, do
     """
     B, L = rewards.shape
     mask = mask.bool()
-    if L > 1 and (mask[:, 1:] & ~mask[:, :-1]).any():
-        raise ValueError("gae: mask must be True then False along each row (padding at the end only)")
     rewards = torch.where(mask, rewards, 0.0)
     values = torch.where(mask, values, 0.0)
     cont = (~dones.bool() & mask).to(values.dtype)  # 1 where position k bootstraps from k + 1
@@ -52,7 +52,8 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, discounts: torch.Tensor, do
         else last_values.to(values.dtype)
     next_adv = torch.zeros_like(next_value)
     for k in reversed(range(L)):
-        # padding only at the end, so while walking back through it the carry stays (last_values, 0)
+        # through a position with mask False the carry stays: (last_values, 0) through the end's padding,
+        # the next valid position's (V, A) through a hole
         delta = rewards[:, k] + discounts[:, k] * next_value * cont[:, k] - values[:, k]
         adv = delta + discounts[:, k] * lam * cont[:, k] * next_adv
         valid = mask[:, k]
@@ -63,23 +64,62 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, discounts: torch.Tensor, do
     return advantages, returns
 
 
+def fold_skipped(rewards: torch.Tensor, discounts: torch.Tensor, dones: torch.Tensor, kept: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fold the positions that did not happen (``kept`` False) into the kept position before them.
+
+    All [B, L]. A kept position k followed by skipped positions k + 1 .. j - 1 (j the next kept
+    one) becomes one transition from k to j: reward r_k + g_k r_(k+1) + g_k g_(k+1) r_(k+2) + ...,
+    discount g_k g_(k+1) ... g_(j-1), done if any of them is done (nothing after a done is added).
+    Skipped positions get reward 0, discount 0 and not done; skipped positions before the first kept
+    one are dropped. With this, :func:`gae` with ``mask = kept`` treats a row with holes (an agent
+    that did not act at a step of an agent program) as the sequence of the positions that happened.
+    """
+    kept = kept.bool()
+    dones = dones.bool()
+    B, L = rewards.shape
+    out_r, out_g = torch.zeros_like(rewards), torch.zeros_like(discounts)
+    out_d = torch.zeros_like(dones)
+    # (reward, discount, done) of the skipped run that starts after position k, folded
+    run_r = torch.zeros(B, dtype=rewards.dtype, device=rewards.device)
+    run_g = torch.ones(B, dtype=discounts.dtype, device=discounts.device)
+    run_d = torch.zeros(B, dtype=torch.bool, device=dones.device)
+    for k in reversed(range(L)):
+        go_on = ~dones[:, k]
+        r = rewards[:, k] + torch.where(go_on, discounts[:, k] * run_r, 0.0)
+        g = discounts[:, k] * run_g
+        d = dones[:, k] | (go_on & run_d)
+        keep = kept[:, k]
+        out_r[:, k], out_g[:, k], out_d[:, k] = torch.where(keep, r, 0.0), torch.where(keep, g, 0.0), keep & d
+        run_r = torch.where(keep, 0.0, r)
+        run_g = torch.where(keep, 1.0, g)
+        run_d = ~keep & d
+    return out_r, out_g, out_d
+
+
 # ---------------------------------------------------------------- action level: micro-steps (t, i)
 
-def credit_rewards(step_rewards: torch.Tensor, num_agents: int, mode: str = "last") -> torch.Tensor:
+def credit_rewards(step_rewards: torch.Tensor, num_agents: int, mode: str = "last",
+                   acted: torch.Tensor | None = None) -> torch.Tensor:
     """Spread team rewards [E, H] over micro-steps [E, H * N], micro-step k = t * N + i.
 
     ``"last"``: r_t goes to micro-step (t, N - 1), the other agents of the step get 0.
     ``"equal"``: each of the step's N micro-steps gets r_t / N.
+    With ``acted`` [E, H, N] bool (agent i acted at step t; None: every agent of every step), among
+    the agents that acted only: the last of them, or each of them r_t / (how many acted).
     """
     E, H = step_rewards.shape
-    if mode == "last":
-        out = torch.zeros(E, H, num_agents, dtype=step_rewards.dtype, device=step_rewards.device)
-        out[:, :, -1] = step_rewards
-    elif mode == "equal":
-        out = (step_rewards / num_agents).unsqueeze(-1).expand(E, H, num_agents)
-    else:
+    if mode not in ("last", "equal"):
         raise ValueError(f"credit mode must be 'last' or 'equal', got {mode!r}")
-    return out.reshape(E, H * num_agents)
+    if acted is None:
+        acted = torch.ones(E, H, num_agents, dtype=torch.bool, device=step_rewards.device)
+    acted = acted.bool()
+    if mode == "last":  # the last agent that acted: the only one with no acting agent after it
+        after = acted.flip(-1).long().cumsum(-1).flip(-1) - acted.long()
+        share = (acted & (after == 0)).to(step_rewards.dtype)
+    else:
+        share = acted.to(step_rewards.dtype) / acted.sum(-1, keepdim=True).clamp(min=1)
+    return (step_rewards.unsqueeze(-1) * share).reshape(E, H * num_agents)
 
 
 def micro_discounts(horizon: int, num_agents: int, gamma: float, agent_gamma: float) -> torch.Tensor:
@@ -101,23 +141,33 @@ def valid_steps(dones: torch.Tensor) -> torch.Tensor:
 
 
 def micro_layout(step_rewards: torch.Tensor, dones: torch.Tensor, num_agents: int, gamma: float,
-                 agent_gamma: float, credit: str = "last"
+                 agent_gamma: float, credit: str = "last", acted: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Action-level inputs for :func:`gae` from a rollout's step tensors.
 
-    ``step_rewards`` [E, H] float, ``dones`` [E, H] bool (episode ended after step t). Returns
+    ``step_rewards`` [E, H] float, ``dones`` [E, H] bool (episode ended after step t), ``acted``
+    [E, H, N] bool or None (every agent acts at every step that happened). Returns
     ``(rewards, discounts, dones, mask)``, each [E, H * N] in micro-step order k = t * N + i: rewards
     from :func:`credit_rewards`; discounts from :func:`micro_discounts`; done at (t, N - 1) when step
-    t was done; mask True for the micro-steps of the steps that happened (:func:`valid_steps`).
+    t was done; mask True for the micro-steps that happened (steps that happened, :func:`valid_steps`,
+    and agents that acted). Micro-steps that did not happen (an agent program that skips an agent
+    at a step) are folded away (:func:`fold_skipped`): the discount from a micro-step reaches the
+    next one that happened, and a done lands on the step's last micro-step that happened.
     """
     E, H = step_rewards.shape
     N = num_agents
-    rewards = credit_rewards(step_rewards, N, credit)
+    happened = valid_steps(dones).unsqueeze(-1).expand(E, H, N)
+    if acted is not None:
+        happened = happened & acted.bool()
+    rewards = credit_rewards(step_rewards, N, credit, happened)
     discounts = micro_discounts(H, N, gamma, agent_gamma).to(step_rewards).expand(E, -1)
     micro_dones = torch.zeros(E, H, N, dtype=torch.bool, device=dones.device)
     micro_dones[:, :, -1] = dones.bool()
-    mask = valid_steps(dones).unsqueeze(-1).expand(E, H, N)
-    return rewards, discounts, micro_dones.reshape(E, H * N), mask.reshape(E, H * N)
+    mask = happened.reshape(E, H * N)
+    if acted is None:  # nothing skipped inside a row: padding at the end only
+        return rewards, discounts, micro_dones.reshape(E, H * N), mask
+    rewards, discounts, micro_dones = fold_skipped(rewards, discounts, micro_dones.reshape(E, H * N), mask)
+    return rewards, discounts, micro_dones, mask
 
 
 # ---------------------------------------------------------------- token level
@@ -194,25 +244,34 @@ def from_token_layout(y: torch.Tensor, lengths: torch.Tensor, first: torch.Tenso
 # ---------------------------------------------------------------- IPPO
 
 def ippo_gae(step_rewards: torch.Tensor, values: torch.Tensor, step_mask: torch.Tensor, gamma: float,
-             lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+             lam: float, acted: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Independent PPO: GAE per agent over its own steps with the shared team reward.
 
     ``step_rewards`` [E, H] team reward r_t, ``values`` [E, H, N] agent i's own critic at step t,
-    ``step_mask`` [E, H] bool (steps that happened, padding at the end). Returns
-    ``(advantages, returns)``, each [E, H, N]. For agent i::
+    ``step_mask`` [E, H] bool (steps that happened, padding at the end), ``acted`` [E, H, N] bool
+    or None (every agent acts at every step that happened). Returns ``(advantages, returns)``, each
+    [E, H, N], 0 where the agent did not act. For agent i::
 
         delta_t = r_t + gamma * V^i_{t+1} - V^i_t,   A_t = delta_t + gamma * lam * A_{t+1}
 
     An agent never bootstraps through another agent's value. The last valid step of each row is
-    terminal (no bootstrap; truncated episodes are not bootstrapped here).
+    terminal (no bootstrap; truncated episodes are not bootstrapped here). Steps at which agent i did
+    not act (an agent program that calls it at some steps only) are folded into its previous step
+    (:func:`fold_skipped`): the team rewards of the skipped steps, discounted, and t + 1 above is
+    its next step.
     """
     E, H, N = values.shape
     mask = step_mask.bool()
     last = mask & ~torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)  # last valid step
     rows = lambda x: x.unsqueeze(-1).expand(E, H, N).permute(0, 2, 1).reshape(E * N, H)  # noqa: E731
-    adv, ret = gae(rows(step_rewards), values.permute(0, 2, 1).reshape(E * N, H),
-                   torch.full((E * N, H), float(gamma), dtype=values.dtype, device=values.device),
-                   rows(last), rows(mask), lam)
+    per_agent = lambda x: x.permute(0, 2, 1).reshape(E * N, H)  # noqa: E731
+    rewards = rows(torch.where(mask, step_rewards, 0.0))
+    discounts = torch.full((E * N, H), float(gamma), dtype=values.dtype, device=values.device)
+    dones, kept = rows(last), rows(mask)
+    if acted is not None:
+        kept = kept & per_agent(acted.bool())
+        rewards, discounts, dones = fold_skipped(rewards, discounts, dones, kept)
+    adv, ret = gae(rewards, per_agent(values), discounts, dones, kept, lam)
     back = lambda x: x.reshape(E, N, H).permute(0, 2, 1)  # noqa: E731
     return back(adv), back(ret)
 

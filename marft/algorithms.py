@@ -166,11 +166,12 @@ def _acted(inp: TargetInputs, out: "Rollout") -> torch.Tensor:
 
 def _micro(inp: TargetInputs, out: "Rollout"):
     """E episodes, K = H * N micro-steps, and the action-level layout of the rollout's rewards
-    ``(rewards, discounts, dones, mask)``, each [E, K] (:func:`marft.advantages.micro_layout`)."""
+    ``(rewards, discounts, dones, mask)``, each [E, K] (:func:`marft.advantages.micro_layout`), the
+    micro-steps where an agent did not act (an agent program's) folded away."""
     tr = inp.train
     E, H = out.rewards.shape
     return E, H * len(inp.agents), adv_fns.micro_layout(out.rewards, out.dones, len(inp.agents), tr.gamma,
-                                                          tr.agent_gamma, tr.credit)
+                                                          tr.agent_gamma, tr.credit, _acted(inp, out))
 
 
 def action_gae(inp: TargetInputs, out: "Rollout") -> list[TurnTargets]:
@@ -226,7 +227,8 @@ def ippo_targets(inp: TargetInputs, out: "Rollout") -> list[TurnTargets]:
     for t, f in zip(out.turns, feats):
         with torch.no_grad():
             values[t.episodes, t.step, i(t.agent)] = inp.heads[t.agent](f)
-    a, ret = adv_fns.ippo_gae(out.rewards, values, adv_fns.valid_steps(out.dones), tr.gamma, tr.lam)
+    a, ret = adv_fns.ippo_gae(out.rewards, values, adv_fns.valid_steps(out.dones), tr.gamma, tr.lam,
+                              _acted(inp, out))
     return [TurnTargets(f, values[t.episodes, t.step, i(t.agent)], a[t.episodes, t.step, i(t.agent)],
                         ret[t.episodes, t.step, i(t.agent)]) for t, f in zip(out.turns, feats)]
 

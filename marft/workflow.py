@@ -16,7 +16,8 @@ step 0, then planner and solver at step 1); the last call must be to the team's 
 answer is its reply; an episode that ends otherwise fails, saying so); the centralised critic's state
 before a call is the problem and every earlier reply of the episode (``"Problem: ..."`` then one
 ``"[step t] agent: reply"`` line each, the shape of :meth:`marft.envs.base.TurnBasedEnv.state`);
-the reward comes at the episode's last step. An episode whose workflow raises, runs past
+the reward comes at the episode's last step; a step's agents that were not called are no
+micro-steps (the advantages pass over them: :func:`marft.advantages.fold_skipped`). An episode whose workflow raises, runs past
 ``timeout_s`` or calls no agent is left out (``failed``) and counted; the others go on.
 """
 from __future__ import annotations

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from marft.advantages import (agent_group_advantages, credit_rewards, from_token_layout, gae, group_advantages,
-                              ippo_gae, micro_discounts, micro_layout, normalize, to_token_layout, token_layout,
+from marft.advantages import (agent_group_advantages, credit_rewards, fold_skipped, from_token_layout, gae,
+                              group_advantages, ippo_gae, micro_discounts, micro_layout, normalize, to_token_layout, token_layout,
                               turn_group_advantages, valid_steps)
 
 T, F = True, False
@@ -111,10 +111,63 @@ def test_gae_done_mid_row_cuts_value_and_advantage():
     assert ret[0].tolist() == pytest.approx([1.0, 2.0])
 
 
-def test_gae_rejects_padding_before_valid_positions():
-    with pytest.raises(ValueError):
-        gae(t([[1.0, 1.0]]), t([[0.0, 0.0]]), t([[1.0, 1.0]]), torch.tensor([[F, T]]),
-            torch.tensor([[F, T]]), 1.0)
+def test_gae_passes_over_holes_as_if_they_were_not_there():
+    # a row with holes (mask False inside it) gives what the row without them gives
+    gen = torch.Generator().manual_seed(3)
+    B, L = 6, 7
+    mask = torch.rand(B, L, generator=gen) < 0.6
+    mask[:, 0] = True
+    r, v, g = (torch.randn(B, L, generator=gen, dtype=torch.float64) for _ in range(3))
+    d = torch.rand(B, L, generator=gen) < 0.2
+    adv, ret = gae(r, v, g, d, mask, 0.9)
+    assert (adv[~mask] == 0).all() and (ret[~mask] == 0).all()
+    for b in range(B):
+        keep = mask[b]
+        a2, r2 = gae(r[b, keep][None], v[b, keep][None], g[b, keep][None], d[b, keep][None],
+                     torch.ones(1, int(keep.sum()), dtype=torch.bool), 0.9)
+        assert torch.allclose(adv[b, keep], a2[0]) and torch.allclose(ret[b, keep], r2[0])
+
+
+def test_fold_skipped_by_hand():
+    # positions 0..4; kept 0, 2, 4 (1 and 3 skipped); rewards [1, 2, 3, 4, 5], discounts [.5, .9, .8, .7, .6]
+    r, g = t([[1.0, 2.0, 3.0, 4.0, 5.0]]), t([[0.5, 0.9, 0.8, 0.7, 0.6]])
+    kept = torch.tensor([[T, F, T, F, T]])
+    fr, fg, fd = fold_skipped(r, g, torch.tensor([[F, F, F, F, T]]), kept)
+    # 0: 1 + .5*2 = 2, discount .5*.9 = .45;  2: 3 + .8*4 = 6.2, discount .8*.7 = .56;  4 as it was
+    assert torch.allclose(fr, t([[2.0, 0.0, 6.2, 0.0, 5.0]]))
+    assert torch.allclose(fg, t([[0.45, 0.0, 0.56, 0.0, 0.6]]))
+    assert fd.tolist() == [[F, F, F, F, T]]
+    # a done on a skipped position lands on the kept one before it, and nothing after the done is added
+    fr, fg, fd = fold_skipped(r, g, torch.tensor([[F, F, F, T, F]]), torch.tensor([[T, F, T, F, F]]))
+    assert fd.tolist() == [[F, F, T, F, F]]
+    assert torch.allclose(fr, t([[2.0, 0.0, 6.2, 0.0, 0.0]]))  # 2: 3 + .8*4, not + .8*.7*5
+
+
+def test_agent_program_skipping_an_agent():
+    # an agent program calls the planner at step 0 only, then planner and solver at step 1 (H=2, N=2):
+    # acted [[planner, -], [planner, solver]]; r = (0, 1); values (.5, -, .7, .8) (9 where nobody acted)
+    acted = torch.tensor([[[T, F], [T, T]]])
+    r, g, d, m = micro_layout(t([[0.0, 1.0]]), torch.tensor([[F, T]]), 2, 1.0, 1.0, "last", acted)
+    assert m.tolist() == [[T, F, T, T]]
+    adv, ret = gae(r, t([[0.5, 9.0, 0.7, 0.8]]), g, d, m, 0.5)
+    # k=3: 1 - .8 = .2;  k=2: .8 - .7 + .5*.2 = .2;  k=0 bootstraps from k=2 (not the empty k=1):
+    # .7 - .5 + .5*.2 = .3
+    assert torch.allclose(adv, t([[0.3, 0.0, 0.2, 0.2]]))
+    # credit equal: step 1's reward split between the two that acted; the solver's return at lam=1 is its .5
+    r, g, d, m = micro_layout(t([[0.0, 1.0]]), torch.tensor([[F, T]]), 2, 1.0, 1.0, "equal", acted)
+    assert r.tolist() == [[0.0, 0.0, 0.5, 0.5]]
+    # the solver alone at step 1 gets the whole reward under "equal" (before: half of it on an empty micro-step)
+    alone = torch.tensor([[[T, T], [F, T]]])
+    r, g, d, m = micro_layout(t([[0.0, 1.0]]), torch.tensor([[F, T]]), 2, 1.0, 1.0, "equal", alone)
+    assert r.tolist() == [[0.0, 0.0, 0.0, 1.0]]
+    _, ret = gae(r, t([[0.5, 0.6, 0.0, 0.8]]), g, d, m, 1.0)
+    assert ret[0, 3].item() == pytest.approx(1.0)
+    # "last" with the last agent skipped at a step: its reward goes to the agent that acted last
+    assert credit_rewards(t([[1.0, 2.0]]), 2, "last", torch.tensor([[[T, F], [T, T]]])).tolist() == [[1, 0, 0, 2]]
+    # agent_gamma .5, gamma .9: the planner at step 0 reaches the planner at step 1 through the empty
+    # solver micro-step: discount .5 * .9 = .45
+    _, g, _, _ = micro_layout(t([[0.0, 1.0]]), torch.tensor([[F, T]]), 2, 0.9, 0.5, "last", acted)
+    assert g[0, 0].item() == pytest.approx(0.45)
 
 
 # ---------------------------------------------------------------- token level
@@ -163,12 +216,19 @@ def random_batch(gen, E=5, H=3, N=2):
     return step_rewards, dones, lengths
 
 
+@pytest.mark.parametrize("skipping", [False, True])
 @pytest.mark.parametrize("gamma,agent_gamma,credit", [(1.0, 1.0, "last"), (0.9, 0.7, "last"), (0.8, 1.0, "equal")])
-def test_token_return_at_first_token_equals_action_return(gamma, agent_gamma, credit):
+def test_token_return_at_first_token_equals_action_return(gamma, agent_gamma, credit, skipping):
     gen = torch.Generator().manual_seed(0)
     N = 2
     step_rewards, dones, lengths = random_batch(gen, N=N)
-    r, g, d, m = micro_layout(step_rewards, dones, N, gamma, agent_gamma, credit)
+    # skipping: an agent program that calls only some agents at a step (at least one each step)
+    acted = None
+    if skipping:
+        acted = torch.rand(dones.shape + (N,), generator=gen) < 0.6
+        acted[..., 1] |= ~acted[..., 0]
+        assert not acted.all()
+    r, g, d, m = micro_layout(step_rewards, dones, N, gamma, agent_gamma, credit, acted)
     lengths = lengths * m  # actions of steps that did not happen have 0 tokens
     tr, tg, td, tm, first = token_layout(lengths, r, g, d, gamma_token=1.0)
     assert len(set(tm.sum(1).tolist())) > 1  # episodes of different token lengths
@@ -200,6 +260,17 @@ def test_ippo_by_hand():
     # the episode ends after step 0: terminal there, agent 0: A = 1 - .5
     adv, _ = ippo_gae(t([[1.0, 2.0]]), values, torch.tensor([[T, F]]), 0.9, 0.95)
     assert torch.allclose(adv, t([[[0.5, 0.4], [0.0, 0.0]]]))
+
+
+def test_ippo_agent_that_skips_a_step():
+    # the planner acts at step 0 only, the solver at steps 0 and 1; team rewards r = (1, 2), gamma .9
+    values = t([[[0.5, 0.6], [9.0, 0.8]]])  # [E=1, H=2, N=2]; 9: the planner did not act at step 1
+    acted = torch.tensor([[[T, T], [F, T]]])
+    adv, ret = ippo_gae(t([[1.0, 2.0]]), values, torch.tensor([[T, T]]), 0.9, 0.95, acted)
+    # planner: one transition to the episode's end with reward 1 + .9*2 = 2.8: A = 2.8 - .5 = 2.3
+    # solver as without skipping: t1: 2 - .8 = 1.2; t0: 1 + .9*.8 - .6 + .9*.95*1.2 = 2.146
+    assert torch.allclose(adv, t([[[2.3, 2.146], [0.0, 1.2]]]))
+    assert torch.allclose(ret[0, 0], t([2.8, 2.746]))
 
 
 def test_ippo_agents_do_not_share_values():

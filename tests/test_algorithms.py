@@ -34,3 +34,33 @@ def test_whitening_per_agent_or_over_the_batch():
     batch = ALGORITHMS["grpo"].normalise(out, advs)
     expected = [[-0.74721, -0.57739], [0.01698, 1.71519], [-0.40757]]
     assert all(torch.allclose(a, torch.tensor(e), atol=1e-5) for a, e in zip(batch, expected))
+
+
+def test_targets_of_an_agent_program_that_skips_an_agent(monkeypatch):
+    # planner at step 0, then planner and solver at step 1 (an agent program's call order; the solver did
+    # not act at step 0): marft's and ippo's targets treat the empty micro-step as not there
+    import marft.algorithms as alg
+    values = {(0, "planner"): 0.5, (1, "planner"): 0.7, (1, "solver"): 0.8}
+    feature = lambda models, agent, rows, work=None: rows  # noqa: E731  (a row's value is its feature)
+    monkeypatch.setattr(alg, "state_features", feature)
+    monkeypatch.setattr(alg, "prompt_features", lambda models, agent, ids, mask, work=None: ids)
+    turn = lambda step, agent: SimpleNamespace(step=step, agent=agent, episodes=torch.tensor([0]),  # noqa: E731
+                                               states=torch.tensor([values[(step, agent)]]),
+                                               prompt_ids=torch.tensor([values[(step, agent)]]), prompt_mask=None)
+    out = SimpleNamespace(turns=[turn(0, "planner"), turn(1, "planner"), turn(1, "solver")],
+                          rewards=torch.tensor([[0.0, 1.0]]), dones=torch.tensor([[False, True]]))
+    train = SimpleNamespace(gamma=1.0, agent_gamma=1.0, credit="last", lam=0.5)
+    head = lambda f: f  # noqa: E731
+    inp = alg.TargetInputs(train, ["planner", "solver"], None, {"team": head, "planner": head, "solver": head}, None)
+    # micro-steps 0, 2, 3 (1 empty): A3 = 1 - .8 = .2; A2 = .8 - .7 + .5*.2 = .2; A0 = .7 - .5 + .5*.2 = .3
+    got = [round(x.advantages.item(), 6) for x in alg.action_gae(inp, out)]
+    assert got == [0.3, 0.2, 0.2]
+    # ippo: the planner's steps 0 and 1: A1 = 1 - .7 = .3, A0 = .7 - .5 + .5*.3 = .35; the solver's step 1: .2
+    got = [round(x.advantages.item(), 6) for x in alg.ippo_targets(inp, out)]
+    assert got == [0.35, 0.3, 0.2]
+    # planner, solver, solver: the planner's only step reaches the episode's end (reward 1): A = 1 - .5 = .5
+    # (not 0 - .5 + .5 * (1 - 0) = 0 from a step it did not take); the solver: A1 = .2, A0 = .8 - .6 + .5*.2 = .3
+    values.update({(0, "solver"): 0.6})
+    out.turns = [turn(0, "planner"), turn(0, "solver"), turn(1, "solver")]
+    got = [round(x.advantages.item(), 6) for x in alg.ippo_targets(inp, out)]
+    assert got == [0.5, 0.3, 0.2]

@@ -43,9 +43,10 @@ def same(a, b):
 @pytest.mark.parametrize("share", [False, True])
 def test_team_learns_a_trivial_task(vowel_overrides, algorithm, share):
     tr = trainer_for(vowel_overrides + [f"train.algorithm={algorithm}", f"team.share_adapter={share}"])
-    # 16 iterations: the slowest variant (token-level MARFT with one shared adapter) gains about
-    # 0.35 here; 12 iterations left it within 0.15 of its start on some machines
-    rewards = [tr.iteration_step()["reward"] for _ in range(16)]
+    # 16 iterations; the slowest variant (token-level MARFT with one shared adapter) 28: at 16 it gained
+    # about 0.35 with two threads but 0.15 with one (OMP_NUM_THREADS=1), where 28 pass with either
+    iterations = 28 if (algorithm, share) == ("marft-token", True) else 16
+    rewards = [tr.iteration_step()["reward"] for _ in range(iterations)]
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
     assert last >= first + 0.25, rewards
 
