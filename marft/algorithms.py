@@ -234,7 +234,10 @@ def ippo_targets(inp: TargetInputs, out: "Rollout") -> list[TurnTargets]:
 
 
 def grpo_targets(inp: TargetInputs, out: "Rollout") -> list[TurnTargets]:
-    """grpo: the team's episode return against its group's (``train.group_baseline``), for every turn."""
+    """grpo: the team's episode return against its group's (``train.group_baseline``), for every turn.
+    ``train.normalize_advantages`` then whitens them over the batch, as for every algorithm whose
+    ``whiten`` is ``"batch"``: a rescaling (they already average 0 in each group), so ``rloo`` is
+    leave-one-out up to a scale."""
     a = adv_fns.group_advantages(out.rewards.sum(1), _groups(inp, out), inp.train.group_baseline)
     return _critic_free(out, lambda t: a[t.episodes])
 
@@ -248,7 +251,8 @@ def dr_mas_targets(inp: TargetInputs, out: "Rollout") -> list[TurnTargets]:
 
 def at_grpo_targets(inp: TargetInputs, out: "Rollout") -> list[TurnTargets]:
     """at-grpo: each turn's own reward r^i_t against the same agent's turns at the same step of the
-    same problem (:func:`marft.advantages.turn_group_advantages`)."""
+    same problem (:func:`marft.advantages.turn_group_advantages`); then whitened over the batch
+    (``train.normalize_advantages``), as ``grpo``'s."""
     a = adv_fns.turn_group_advantages(out.agent_rewards, _acted(inp, out), _groups(inp, out))
     return _critic_free(out, lambda t: a[t.episodes, t.step, inp.agents.index(t.agent)])
 
