@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from .config import RunConfig, load_config as _load_config, save_config, to_dict
-from .assemble import _machine, _num_problems, _quiet_libraries, _record_machine, env_factory, make_dir, prepare
+from .assemble import (_machine, _num_problems, _quiet_libraries, _record_machine, check_new_run_dir, env_factory, make_dir,
+                       output_file, prepare)
 from .errors import UserError
 
 __all__ = ["MarftConfig", "MarftTrainer", "TrainResult", "TrainedTeam", "evaluate", "load_config", "load_team"]
@@ -128,7 +129,7 @@ def evaluate(config: RunConfig, adapters: str | Path | None = None, without: Ite
     cfg = config
     without = list(without or cfg.eval.without)
     if output is not None:
-        make_dir(Path(output).parent, "eval.output")  # fail now, not after the evaluation
+        output_file(Path(output), "eval.output")  # fail now, not after the evaluation
     team, models, make_env = prepare(cfg)
     if adapters:
         models.load_adapters(adapters_folder(adapters))
@@ -153,9 +154,11 @@ def adapters_folder(source: str | Path) -> Path:
     """The ``adapters/`` folder of a run folder (its latest checkpoint), of a checkpoint, or itself.
     A path through ``checkpoints/latest`` (a file naming the newest checkpoint, not a folder) goes
     to that checkpoint: ``run/checkpoints/latest/adapters`` works."""
-    from .checkpoints import latest_checkpoint
+    from .checkpoints import latest_checkpoint, no_checkpoint_reason
 
     p = Path(source)
+    if p.exists() and not p.is_dir():
+        raise UserError(f"adapters {p} is a file, not a folder; give a checkpoint's adapters/ folder, a checkpoint or a run folder")
     for i, part in enumerate(p.parts):
         head = Path(*p.parts[:i + 1])
         if part == "latest" and head.is_file() and head.parent.name == "checkpoints":
@@ -166,6 +169,8 @@ def adapters_folder(source: str | Path) -> Path:
     if (p / "checkpoints").is_dir():
         ckpt = latest_checkpoint(p)
         if ckpt is None:
+            if (p / "checkpoints" / "latest").exists():  # a latest that names no checkpoint: say which
+                raise UserError(f"run folder {p}: {no_checkpoint_reason(p)}")
             raise UserError(f"run folder {p} has no complete checkpoint (expected {p}/checkpoints/latest); "
                             "train it first or give a checkpoint's adapters/ folder")
         return ckpt / "adapters"
@@ -209,7 +214,6 @@ class MarftTrainer:
 
     def __init__(self, config: RunConfig, *, log: Callable[[str], None] | None = _stderr,
                  callbacks: Iterable[Any] = (), _resume: Path | None = None):
-        from .checkpoints import latest_checkpoint
         from .trainer import Trainer
 
         self.config = cfg = config
@@ -218,9 +222,7 @@ class MarftTrainer:
         self.callbacks = list(callbacks)
         self._checkpoint = _resume
         if not _resume:
-            if latest_checkpoint(self.run_dir) is not None:
-                raise UserError(f"run folder {self.run_dir} already has checkpoints; continue it with --resume {self.run_dir} "
-                                f"(in Python: MarftTrainer.resume({str(self.run_dir)!r})) or choose another output_dir=...")
+            check_new_run_dir(self.run_dir)  # a new run never overwrites an earlier run's files
             make_dir(self.run_dir, "output_dir")
         self.team, self.models, self.make_env = prepare(cfg)
         make = Trainer
@@ -240,14 +242,10 @@ class MarftTrainer:
     def resume(cls, run_dir: str | Path, overrides: Iterable[str] | dict = (), **kwargs: Any) -> "MarftTrainer":
         """The run in ``run_dir`` at its last checkpoint, with its saved config and ``overrides``
         (those that do not change what the checkpoint holds: more iterations, a learning rate...)."""
-        from .checkpoints import latest_checkpoint
+        from .checkpoints import resume_checkpoint
 
         run_dir = Path(run_dir)
-        if not run_dir.is_dir():
-            raise UserError(f"run folder {run_dir} not found; resume takes the output_dir of an earlier marft train run")
-        ckpt = latest_checkpoint(run_dir)
-        if ckpt is None:
-            raise UserError(f"{run_dir} has no complete checkpoint to resume from (expected {run_dir}/checkpoints/latest)")
+        ckpt = resume_checkpoint(run_dir)  # or a UserError saying what is wrong with run_dir
         sections = {k: kwargs.pop(k) for k in list(kwargs) if k not in ("log", "callbacks")}
         # the run folder is where it is now, whatever output_dir said (a relative path, another cwd)
         saved = load_config(ckpt / "config.yaml", output_dir=str(run_dir))

@@ -98,6 +98,64 @@ def make_dir(path: Path, key: str) -> Path:
     return path
 
 
+def output_file(path: Path, key: str) -> Path:
+    """Check, before any work, that a result can be written to the file ``path`` (config key
+    ``key``): its folder is created, and ``path`` is not itself a folder."""
+    make_dir(path.parent, key)
+    if path.is_dir():
+        if key == "output_dir":  # the default file in output_dir
+            raise UserError(f"{path}, the result file in output_dir, is a folder; choose another output_dir=... "
+                            "or give a file: eval.output=path/to/result.json")
+        raise UserError(f"{key} {path} is a folder; give the path of a file to write, e.g. {key}={path / 'eval.json'}")
+    return path
+
+
+# what marft train writes into its run folder, most valuable first (a new run refuses a folder that
+# holds any of them; a sweep moves those of a failed attempt aside before it starts the run again)
+RUN_FILES = ("eval_final.json", "metrics.jsonl", "eval_untrained.json", "eval_iter_*.json", "eval_final_without_*.json",
+             "checkpoints", "config.yaml", "machine.json", "tensorboard", "wandb_id", "mlflow_run_id")
+
+
+def earlier_run_files(run_dir: Path) -> list[Path]:
+    """The files and folders of an earlier ``marft train`` run in ``run_dir`` (:data:`RUN_FILES`)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found: list[Path] = []
+    for pattern in RUN_FILES:
+        for p in sorted(run_dir.glob(pattern)):
+            if p.is_dir() and not any(p.iterdir()):
+                continue  # an empty folder holds nothing to lose
+            if p not in found:
+                found.append(p)
+    return found
+
+
+def check_new_run_dir(run_dir: Path, config_file: str | Path | None = None) -> None:
+    """A new (not resumed) run in ``run_dir`` must not overwrite anything: not an earlier run's
+    checkpoints, results or config, nor ``config_file``, the config it was started from. A
+    :class:`UserError` naming the file otherwise."""
+    from .checkpoints import latest_checkpoint
+
+    run_dir = Path(run_dir)
+    if latest_checkpoint(run_dir) is not None:
+        raise UserError(f"run folder {run_dir} already has checkpoints; continue it with --resume {run_dir} "
+                        f"(in Python: MarftTrainer.resume({str(run_dir)!r})) or choose another output_dir=...")
+    if config_file is not None and (run_dir / "config.yaml").exists():
+        try:
+            same = Path(config_file).resolve() == (run_dir / "config.yaml").resolve()
+        except OSError:
+            same = False
+        if same:
+            raise UserError(f"output_dir {run_dir} holds {config_file}, the config file you gave, which marft train would "
+                            "overwrite with its own config.yaml; choose another output_dir=...")
+    found = earlier_run_files(run_dir)
+    if found:
+        what = found[0].name + ("/" if found[0].is_dir() else "")
+        raise UserError(f"output_dir {run_dir} already holds {what} of an earlier run, which a new run would overwrite, and no "
+                        f"checkpoint to resume from; choose another output_dir=..., or move that run's files away first")
+
+
 def task_label(cfg: RunConfig) -> str:
     from .config import task_label as label, task_list
 

@@ -18,12 +18,71 @@ from .errors import UserError
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint of ``run_dir`` (what ``checkpoints/latest`` names), or None."""
+    """The newest complete checkpoint of ``run_dir`` (what ``checkpoints/latest`` names), or None
+    (also when ``latest`` is empty or names no checkpoint folder: :func:`no_checkpoint_reason` says why)."""
     pointer = Path(run_dir) / "checkpoints" / "latest"
+    name = _pointer_name(pointer)
+    if not name:
+        return None
+    path = pointer.parent / name
+    return path if path.is_dir() else None
+
+
+def _pointer_name(pointer: Path) -> str | None:
+    """The checkpoint name ``checkpoints/latest`` holds: None if it is not a readable file, "" if
+    it holds nothing usable (empty, not text, or not a plain folder name)."""
     if not pointer.is_file():
         return None
-    path = pointer.parent / pointer.read_text().strip()
-    return path if path.is_dir() else None
+    try:
+        name = pointer.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+    return name if name and "/" not in name and "\\" not in name and name not in (".", "..") else ""
+
+
+def _saved_checkpoints(root: Path) -> list[str]:
+    """Names of the checkpoint folders under ``root`` (``checkpoints/``) that hold a trainer state."""
+    return sorted(p.name for p in root.glob("iter_*") if (p / "trainer.pt").is_file()) if root.is_dir() else []
+
+
+def no_checkpoint_reason(run_dir: str | Path) -> str:
+    """Why ``run_dir`` has no checkpoint to resume from or load (one clause, naming the file that
+    is wrong and how to fix it), for a run folder where :func:`latest_checkpoint` gives None."""
+    run_dir = Path(run_dir)
+    root = run_dir / "checkpoints"
+    pointer = root / "latest"
+    saved = _saved_checkpoints(root)
+    fix = (f"write the name of one that is there ({', '.join(saved[-3:])}) into {pointer}" if saved
+           else f"{root} holds no checkpoint folder; start a new run")
+    name = _pointer_name(pointer)
+    if name == "":
+        return f"{pointer} does not name a checkpoint (it is empty or not a folder name such as iter_000002); {fix}"
+    if name:
+        return f"{pointer} names checkpoint {name}, which is missing from {root}; {fix}"
+    if pointer.exists():
+        return f"{pointer} is a folder, not the file that names the newest checkpoint; {fix}"
+    if (run_dir / "trainer.pt").is_file() and run_dir.parent.name == "checkpoints":
+        return f"{run_dir} is a checkpoint, not a run folder; give the run folder {run_dir.parent.parent}"
+    if saved:
+        return f"{run_dir} has no {pointer.relative_to(run_dir)} naming its newest checkpoint; {fix}"
+    return f"{run_dir} has no complete checkpoint to resume from (expected {pointer})"
+
+
+def resume_checkpoint(run_dir: str | Path) -> Path:
+    """The checkpoint that resuming ``run_dir`` continues from, or a :class:`UserError` saying
+    what is wrong with ``run_dir`` (missing, a file, no checkpoint, a ``latest`` naming nothing)."""
+    run_dir = Path(run_dir)
+    if not run_dir.exists():
+        raise UserError(f"run folder {run_dir} not found; resume takes the output_dir of an earlier marft train run")
+    if not run_dir.is_dir():
+        new = f" (to start a new run from this config file: marft train {run_dir})" if run_dir.suffix in (".yaml", ".yml") else ""
+        raise UserError(f"{run_dir} is a file, not a run folder; resume takes the output_dir of an earlier marft train run{new}")
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise UserError(no_checkpoint_reason(run_dir))
+    if not (ckpt / "config.yaml").is_file():
+        raise UserError(f"checkpoint {ckpt} has no config.yaml; it is incomplete or not a marft checkpoint")
+    return ckpt
 
 
 def write_checkpoint(run_dir: str | Path, iteration: int, fill: Callable[[Path], None], keep: int = 0) -> Path:

@@ -121,17 +121,19 @@ def cmd_eval(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .api import evaluate
-    from .assemble import make_dir, task_label
+    from .api import adapters_folder, evaluate
+    from .assemble import output_file, task_label
     from .config import load_config
     from .evaluation import format_table, write_json
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(config_file(args.config, "eval"), args.overrides)
+    out = Path(cfg.eval.output or Path(cfg.output_dir) / "eval.json")
+    output_file(out, "eval.output" if cfg.eval.output else "output_dir")  # fail now, not after the evaluation
+    if args.adapters:
+        adapters_folder(args.adapters)  # a file, or a run folder without a checkpoint: say so now
     console = Console(stderr=True, soft_wrap=True)  # log lines are not wrapped at 80 columns when piped
     console.print(f"[bold]marft eval[/] {args.config}: team {' -> '.join(a.name for a in cfg.team.agents)}, "
                   f"model {cfg.model.name}, task {_task_text(cfg)}")
-    out = Path(cfg.eval.output or Path(cfg.output_dir) / "eval.json")
-    make_dir(out.parent, "eval.output" if cfg.eval.output else "output_dir")  # fail now, not after the evaluation
     with Progress(TextColumn("evaluating"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[speed]}"),
                   TimeElapsedColumn(), console=console, transient=True) as bar:
         task = bar.add_task("eval", total=None, speed="")
@@ -166,7 +168,7 @@ def cmd_serve(args) -> int:
     from .assemble import prepare
     from .config import load_config
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(config_file(args.config, "serve"), args.overrides)
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be 0-65535, got {args.port}")
     team, models, _ = prepare(cfg)
@@ -174,10 +176,13 @@ def cmd_serve(args) -> int:
         models.load_adapters(adapters_folder(args.adapters))
     server = team_server(cfg, team, models, args.host, args.port, os.environ.get("MARFT_API_KEY") or None)
     try:
-        server.start()
+        server.start()  # a port in use or a host not of this machine: a UserError saying which
+    except UserError:
+        server.stop()
+        raise
     except (OSError, RuntimeError, SystemExit) as e:
         server.stop()
-        raise UserError(f"cannot serve on {args.host}:{args.port} ({e}); is the port in use? choose another --port") from None
+        raise UserError(f"cannot serve on {args.host}:{args.port}: the server did not start ({e})") from None
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
@@ -196,9 +201,22 @@ def cmd_env_check(args) -> int:
     from .config import _split_override
     from .envs.check import main_check
 
-    options = dict(_split_override(o) for o in args.options)
+    options = dict(_split_override(o, "env-check option", "seed=1") for o in args.options)
     return main_check(args.env, options)
 
+
+
+def config_file(path: str, command: str) -> str:
+    """``path``, the config file of ``marft COMMAND``; a folder is a one-line error saying what to
+    give instead (a run folder's own config, or ``--resume``)."""
+    p = Path(path)
+    if not p.is_dir():
+        return path  # a missing file or a bad one: load_config says so
+    hint = ""
+    if (p / "config.yaml").is_file():
+        hint = (f" (a run folder: continue it with marft train --resume {p})" if command == "train" else
+                f" (a run folder: marft {command} {p / 'config.yaml'} --adapters {p} uses its config and trained adapters)")
+    raise UserError(f"config file {p} is a folder; give the path of a YAML file such as configs/duo_arithmetic.yaml{hint}")
 
 
 def _task_text(cfg) -> str:

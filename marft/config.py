@@ -22,8 +22,12 @@ from typing import Any
 
 import yaml
 
-from .envs import KINDS
+from .envs import KINDS, option_clash
 from .errors import UserError
+
+MAX_ENV_TIMEOUT_S = 86400
+"""The longest ``rollout.env_timeout_s`` (a day): far beyond any grading, and within what the
+platform's timers take (a deadline past ``time_t`` overflows)."""
 
 
 @dataclass
@@ -198,7 +202,8 @@ class RolloutConfig:
     embedding adapters, quantised weights)."""
     env_timeout_s: float = 300.0
     """Longest an environment's ``reset`` or ``step`` (its grading) may take; past it the episode
-    fails (left out of training, counted in ``episodes/failed``) instead of the run."""
+    fails (left out of training, counted in ``episodes/failed``) instead of the run. At most 86400
+    (a day)."""
 
 
 @dataclass
@@ -446,10 +451,12 @@ def _check_kind_override(data: dict, parsed: list[tuple[str, Any]], path) -> Non
                         f"add task.options={{}} (or the {new_kind} task's own options) to the command line")
 
 
-def _split_override(text: str) -> tuple[str, Any]:
+def _split_override(text: str, what: str = "override", example: str = "rollout.temperature=0.8") -> tuple[str, Any]:
+    """``key=value`` -> (key, the value read as YAML). ``what`` and ``example`` name the item in the
+    error (``marft env-check`` options are environment options, not config keys)."""
     key, eq, value = text.partition("=")
     if not eq or not key.strip():
-        raise UserError(f"override {text!r} must look like key=value, e.g. rollout.temperature=0.8")
+        raise UserError(f"{what} {text!r} must look like key=value, e.g. {example}")
     try:
         parsed = yaml.safe_load(value) if value.strip() else ""
     except yaml.YAMLError:
@@ -525,13 +532,17 @@ def _build(tp: Any, value: Any, where: str) -> Any:
         if not isinstance(value, bool):
             raise UserError(f"config: {where} must be true or false, got {value!r}")
         return value
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str):  # PyYAML reads 3e-4 (no dot) as a string
-        try:
-            return float(value)
+    if tp is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        try:  # PyYAML reads 3e-4 (no dot) as a string
+            number = float(value)
         except ValueError:
-            pass
+            number = None
+        except OverflowError:  # an integer too large for a float
+            number = float("inf")
+        if number is not None:
+            if not _finite(number):  # .inf, .nan, 1e400 (which overflows to inf)
+                raise UserError(f"config: {where} must be a finite number, got {value!r}")
+            return number
     if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     if tp is str and value is None:
@@ -561,7 +572,8 @@ def validate(cfg: RunConfig) -> None:
     _check(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
     _check(r.top_k >= 0, f"rollout.top_k must be 0 (off) or positive, got {r.top_k}")
     _check(r.max_new_tokens >= 1, f"rollout.max_new_tokens must be at least 1, got {r.max_new_tokens}")
-    _check(r.env_timeout_s > 0, f"rollout.env_timeout_s must be positive (seconds), got {r.env_timeout_s}")
+    _check(0 < r.env_timeout_s <= MAX_ENV_TIMEOUT_S,
+           f"rollout.env_timeout_s must be positive and at most {MAX_ENV_TIMEOUT_S} seconds (a day), got {r.env_timeout_s:g}")
     _check(r.engine in ("hf", "vllm"), f"rollout.engine must be hf or vllm, got {r.engine!r}")
     _check(r.schedule in ("barrier", "async"), f"rollout.schedule must be barrier or async, got {r.schedule!r}")
     _check(r.schedule == "barrier" or r.engine == "vllm",
@@ -624,6 +636,8 @@ def _validate_task(t: TaskConfig, w: str) -> None:
     _check(t.kind != "math" or bool(t.train_path or t.test_path),
            f"{w}.kind is math but neither {w}.train_path nor {w}.test_path is set")
     _check(t.kind != "custom" or ":" in t.env, f"{w}.kind is custom: set {w}.env to module:Class")
+    clash = option_clash(t.kind, t.options, w)  # a key marft passes itself (agents, horizon, name, ...)
+    _check(clash is None, str(clash))
     if t.kind == "dataset":
         _check(bool(t.dataset), f"{w}.kind is dataset but {w}.dataset is not set; give a Hub id (openai/gsm8k) "
                                 "or a .jsonl, .json, .csv or .parquet file or folder")

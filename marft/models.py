@@ -76,6 +76,11 @@ def resolve_model(name: str, cache_dir: str = "") -> str:
         stat = path.stat()
         key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
         return str(_convert_gguf(path, cache_root(cache_dir) / "models" / f"{path.stem}-{key}"))
+    if path.is_file():  # a file of a model folder (model.safetensors, config.json), not the folder
+        parent = path.parent
+        fix = (f"give the folder that holds it: model.name={parent}" if (parent / "config.json").is_file()
+               else "give a Hugging Face model folder (config.json, weights, tokenizer), a .gguf file or a hub id")
+        raise UserError(f"model {name} is a file, not a model folder; {fix}")
     if path.exists():
         if not (path / "config.json").is_file():
             raise UserError(f"model folder {name} has no config.json; give a Hugging Face model folder, a .gguf file or a hub id")
@@ -353,8 +358,14 @@ class TeamModel:
         directory = Path(directory)
         if not directory.is_dir():
             raise UserError(f"adapters folder {directory} not found; give the folder a training run saved (it holds one subfolder per adapter)")
+        if not any((p / "adapter_config.json").is_file() for p in directory.iterdir() if p.is_dir()):
+            raise UserError(f"{directory} holds no adapters (no subfolder with an adapter_config.json); give a checkpoint's "
+                            "adapters/ folder, a checkpoint or a run folder")
         for adapter, base in self.base_of.items():
             sub = directory / adapter
+            if sub.is_dir() and not (sub / "adapter_config.json").is_file():
+                raise UserError(f"adapter {adapter!r} in {sub} has no adapter_config.json; the adapter is incomplete: "
+                                "replace it or use an earlier checkpoint")
             if not (sub / "adapter_config.json").is_file():
                 raise UserError(f"adapters folder {directory} has no adapter {adapter!r} (expected {directory / adapter}/adapter_model.safetensors); was it trained for another team?")
             try:
@@ -371,3 +382,41 @@ class TeamModel:
                                 "check model.name and model.lora") from None
             if getattr(result, "unexpected_keys", None):
                 raise UserError(f"adapter {adapter!r} in {sub} does not fit this model (unexpected weights such as {result.unexpected_keys[0]}); check model.name and model.lora")
+            self._check_lora_settings(adapter, sub)
+
+    # the LoRA settings an adapter is saved with (adapter_config.json) -> marft's config key
+    _LORA_KEYS = {"r": "r", "lora_alpha": "alpha", "target_modules": "target_modules"}
+
+    def _check_lora_settings(self, adapter: str, sub: Path) -> None:
+        """Raise a UserError when the adapter in ``sub`` was trained with other LoRA settings than
+        ``model.lora`` (a rank mismatch fails on the weights' shapes; alpha, which only scales the
+        update, and target modules the adapter lacks would load silently and act differently)."""
+        import json
+
+        try:
+            saved = json.loads((sub / "adapter_config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise UserError(f"adapter {adapter!r} in {sub}: adapter_config.json cannot be read ({type(e).__name__}); "
+                            "replace it or use an earlier checkpoint") from None
+        if not isinstance(saved, dict):
+            saved = {}
+
+        def norm(v):
+            return sorted(v) if isinstance(v, (list, tuple, set)) else v
+
+        def shown(v):
+            return f"[{', '.join(map(str, v))}]" if isinstance(v, list) else f"{v}"
+
+        there, here = [], []
+        for field, key in self._LORA_KEYS.items():
+            if field not in saved:
+                continue  # not recorded: nothing to compare
+            ours = norm(getattr(self.lora_config, field))
+            theirs = norm(saved[field])
+            if ours != theirs:
+                there.append(f"model.lora.{key}={shown(theirs)}")
+                here.append(shown(ours))
+        if there:
+            was = ", ".join(f"{t}, not {h}" for t, h in zip(there, here))
+            raise UserError(f"adapter {adapter!r} in {sub} was trained with other LoRA settings ({was}); "
+                            f"set {' '.join(x.replace(', ', ',') for x in there)} to load it")

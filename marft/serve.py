@@ -28,8 +28,11 @@ Sampling settings a request carries are honoured within the run's limits: ``max_
 ``max_completion_tokens``) at most the agent's reply limit (larger values are cut to it),
 ``temperature`` 0-2, ``top_p`` in (0, 1]; everything else is the run's. Errors are OpenAI-shaped
 JSON (``{"error": {"message", "type", "param", "code"}}``) with a 4xx status, never a crash of the
-run: a wrong or missing key (401), an unknown model (404), a malformed body, ``stream: true``
-(not supported), ``n`` other than 1 or a prompt longer than the model's context (400).
+run: a wrong or missing key (401), an unknown model or path (404), a wrong method (405), a malformed
+body, ``stream: true`` (not supported), ``n`` other than 1 or a prompt longer than the model's
+context (400). A field sent as ``null`` is a field not sent (``n: null`` is 1, ``max_completion_tokens:
+null`` leaves ``max_tokens`` in force). A host that is not an address of this machine, or a port in
+use, is a :class:`marft.errors.UserError` from :meth:`TeamServer.start` saying which.
 """
 from __future__ import annotations
 
@@ -37,7 +40,9 @@ import asyncio
 import contextlib
 import json
 import queue
+import errno
 import secrets
+import socket
 import threading
 import time
 from dataclasses import astuple, dataclass, field, replace
@@ -45,6 +50,7 @@ from typing import Callable
 
 import torch
 
+from .errors import UserError
 from .generation import Sampling
 
 
@@ -84,6 +90,7 @@ class _Refused(Exception):
                  code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.headers: dict | None = None
 
 
 class TeamServer:
@@ -126,16 +133,21 @@ class TeamServer:
         if self._server is not None and self._server.started:
             return self
 
+        sockets = _bind(self.host, self.port)  # bound here: a wrong host or a taken port is one clear line
         config = uvicorn.Config(self.app(), host=self.host, port=self.port, log_level="warning", lifespan="on")
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="marft-serve", daemon=True)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": sockets}, name="marft-serve",
+                                        daemon=True)
         self._thread.start()
         deadline = time.monotonic() + 30
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
+                self._server.should_exit = True
+                for sock in sockets:
+                    sock.close()
                 raise RuntimeError(f"the endpoint did not start on {self.host}:{self.port}")
             time.sleep(0.01)
-        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        self.port = sockets[0].getsockname()[1]
         return self
 
     def stop(self) -> None:
@@ -229,22 +241,44 @@ class TeamServer:
     # ---------------------------------------------------------------- the HTTP side
     def app(self):
         from starlette.applications import Starlette
+        from starlette.exceptions import HTTPException
         from starlette.responses import JSONResponse
         from starlette.routing import Route
+
+        def refused(e: _Refused) -> JSONResponse:
+            body = {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}}
+            return JSONResponse(body, status_code=e.status, headers=e.headers)
 
         async def guarded(request, handler):
             try:
                 self._check_key(request)
                 return JSONResponse(await handler(request))
             except _Refused as e:
-                body = {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}}
-                return JSONResponse(body, status_code=e.status)
+                return refused(e)
 
         async def models(request):
             return await guarded(request, self._models)
 
         async def chat(request):
             return await guarded(request, self._chat)
+
+        routes_text = "GET /v1/models and POST /v1/chat/completions (or the same under /episodes/<episode>/v1)"
+
+        async def http_error(request, exc: HTTPException):  # no such path (404), a wrong method (405)
+            where = f"{request.method} {request.url.path}"
+            if exc.status_code == 405:
+                allowed = (exc.headers or {}).get("Allow", "")
+                e = _Refused(405, f"Method not allowed ({where}): use {allowed or 'another method'} there; "
+                                  f"this endpoint serves {routes_text}", code="method_not_allowed")
+            elif exc.status_code == 404:
+                e = _Refused(404, f"Invalid URL ({where}): this endpoint serves {routes_text}", code="unknown_url")
+            else:
+                e = _Refused(exc.status_code, f"{exc.detail} ({where})")
+            e.headers = exc.headers
+            return refused(e)
+
+        async def server_error(request, exc: Exception):  # a bug of marft's: still an OpenAI-shaped 500
+            return refused(_Refused(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error"))
 
         @contextlib.asynccontextmanager
         async def lifespan(app):
@@ -256,7 +290,8 @@ class TeamServer:
 
         routes = [Route(p + "/models", models, methods=["GET"]) for p in ("/v1", "/episodes/{episode}/v1")]
         routes += [Route(p + "/chat/completions", chat, methods=["POST"]) for p in ("/v1", "/episodes/{episode}/v1")]
-        return Starlette(routes=routes, lifespan=lifespan)
+        return Starlette(routes=routes, lifespan=lifespan,
+                         exception_handlers={HTTPException: http_error, Exception: server_error})
 
     def _check_key(self, request) -> None:
         got = request.headers.get("authorization", "")
@@ -281,8 +316,9 @@ class TeamServer:
                                 f"{', '.join(self.team.names)}", param="model", code="model_not_found")
         if body.get("stream"):
             raise _Refused(400, "streaming is not supported by marft's endpoint; send stream: false", param="stream")
-        if body.get("n", 1) != 1:
-            raise _Refused(400, f"n must be 1 (one reply per request), got {body.get('n')!r}", param="n")
+        n = body.get("n")  # null: not given (1), as OpenAI takes it
+        if n is not None and (isinstance(n, bool) or n != 1):
+            raise _Refused(400, f"n must be 1 (one reply per request), got {n!r}", param="n")
         messages = _messages(body.get("messages"))
         sampling = self._sampling(agent, body)
         episode = request.path_params.get("episode", "default")
@@ -306,10 +342,12 @@ class TeamServer:
     def _sampling(self, agent: str, body: dict) -> Sampling:
         cap = self.team[agent].max_new_tokens or self.sampling.max_new_tokens
         s = replace(self.sampling, max_new_tokens=cap)
-        wanted = body.get("max_completion_tokens", body.get("max_tokens"))
+        # max_completion_tokens wins over max_tokens; null is "not given" (then the other, or the cap)
+        key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        wanted = body.get(key)
         if wanted is not None:
             if isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 1:
-                raise _Refused(400, f"max_tokens must be a positive whole number, got {wanted!r}", param="max_tokens")
+                raise _Refused(400, f"{key} must be a positive whole number, got {wanted!r}", param=key)
             s = replace(s, max_new_tokens=min(wanted, cap))
         for key, lo, hi, name in (("temperature", 0.0, 2.0, "temperature"), ("top_p", 0.0, 1.0, "top_p")):
             v = body.get(key)
@@ -397,6 +435,55 @@ class TeamServer:
                               out.logprobs[row][mask].tolist(), bool(out.truncated[row]), out.texts[row], sampling,
                               p.started, done - p.started))
         return calls
+
+
+def _bind(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets for ``host:port`` (every address ``host`` resolves to, as uvicorn's own
+    binding does; with port 0 they share the first one's port), or a :class:`UserError` that says
+    why not: no such host, not an address of this machine, the port taken or privileged."""
+    where = f"{host}:{port}"
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise UserError(f"cannot serve on {where}: the port must be a whole number 0-65535 (0: any free port)")
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        raise UserError(f"cannot serve on {where}: {host} is not a valid address of this machine "
+                        f"({getattr(e, 'strerror', None) or e}); give --host an address of this machine, "
+                        "e.g. 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)") from None
+    sockets: list[socket.socket] = []
+    seen = set()
+    try:
+        for family, kind, proto, _, addr in infos:
+            if (family, addr) in seen:
+                continue
+            seen.add((family, addr))
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPV6_V6ONLY"):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if port == 0 and len(sockets) > 1:
+                addr = (addr[0], sockets[0].getsockname()[1], *addr[2:])
+            sock.bind(addr)
+            sock.listen(2048)
+            sock.setblocking(False)
+    except OSError as e:
+        for sock in sockets:
+            sock.close()
+        raise UserError(_bind_error(host, port, e)) from None
+    return sockets
+
+
+def _bind_error(host: str, port: int, e: OSError) -> str:
+    where, why = f"{host}:{port}", e.strerror or str(e)
+    if e.errno == errno.EADDRINUSE:
+        return f"cannot serve on {where}: the port is in use ({why}); choose another --port, or --port 0 for any free one"
+    if e.errno == errno.EADDRNOTAVAIL:
+        return (f"cannot serve on {where}: {host} is not a valid address of this machine ({why}); give --host an "
+                "address of this machine, e.g. 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)")
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return f"cannot serve on {where}: not allowed ({why}; ports below 1024 need root); choose another --port"
+    return f"cannot serve on {where} ({type(e).__name__}: {why}); check --host and --port"
 
 
 def _settle(future, result, error) -> None:

@@ -16,12 +16,18 @@ maps an axis name to its values: a list of values of the config key the axis is 
         seed: [0, 1]
 
 Every combination of a grid is one run, in ``<output_dir>/<axis>-<label>__...``; grids are
-unioned (a later grid may add, for example, an ablation for one team only). Before anything runs,
-every run's config is loaded and checked, so a wrong key fails the sweep at once.
+unioned (a later grid may add, for example, an ablation for one team only). In folder names,
+characters other than letters, digits and ``_.+-`` become ``_``, and an axis name or label longer
+than 40 characters (a name longer than 150) is cut to its start and a hash of the whole: the same
+every time, and what ``--dry-run`` lists. Two runs whose names would be the same folder (values
+``'Say hi!'`` and ``'Say hi?'``) are an error: give them labels (a mapping ``label: value``).
+Before anything runs, every run's config is loaded and checked, so a wrong key fails the sweep at once.
 
 Runs go one after another, or ``parallel`` at a time with ``threads`` torch threads each (0: the
 machine's cores divided among them). A run whose folder holds ``eval_final.json`` is complete and
-skipped; one with a checkpoint is resumed with ``marft train --resume``; any other starts afresh.
+skipped; one with a checkpoint is resumed with ``marft train --resume``; any other starts afresh
+(``marft train`` overwrites no earlier run, so the files of an attempt that left no checkpoint, a
+run killed or failed early, are first moved into ``earlier_attempt_N/`` in its folder).
 So an interrupted sweep, run again, continues where it stopped. ``<output_dir>/sweep.json`` lists
 every planned run, its labels and its status; ``marft report <output_dir>`` reads it (runs not
 finished are reported as such). A run that fails is recorded and the sweep goes on; the sweep then
@@ -38,6 +44,7 @@ checkpoint to resume from; so does SIGTERM to the sweep (it passes the signal on
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -99,6 +106,35 @@ def _safe(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.+-]", "_", label)
 
 
+MAX_LABEL = 40  # characters of one axis name or label in a run's folder name
+MAX_NAME = 150  # characters of a run's folder name (file systems allow 255 bytes)
+
+
+def _short(text: str, limit: int, raw: str | None = None) -> str:
+    """``text`` if it has at most ``limit`` characters, else its start and a hash of ``raw`` (the
+    text before it was made safe for a file name): the same every time, distinct for distinct texts."""
+    if len(text) <= limit:
+        return text
+    digest = hashlib.sha256((raw if raw is not None else text).encode("utf-8")).hexdigest()[:8]
+    return f"{text[:limit - 9]}-{digest}"
+
+
+def run_name(labels: dict[str, str]) -> str:
+    """The folder name of the run with these axis labels: ``axis-label__axis-label...``, with
+    characters other than letters, digits and ``_.+-`` replaced by ``_`` and long names shortened
+    (:func:`_short`)."""
+    name = "__".join(f"{_short(_safe(a), MAX_LABEL, a)}-{_short(_safe(lab), MAX_LABEL, lab)}" for a, lab in labels.items())
+    return _short(name, MAX_NAME)
+
+
+def _path(value, key: str, p: Path) -> str:
+    """A sweep file's ``output_dir:`` or ``base:``: a non-empty path."""
+    if isinstance(value, bool) or not isinstance(value, (str, int)) or not str(value).strip():
+        what = "nothing" if value is None or value == "" else f"{type(value).__name__} {value!r}"
+        raise UserError(f"sweep file {p}: {key} must be a path (a string), got {what}")
+    return str(value)
+
+
 def _axis(name: str, values, where: str) -> list[tuple[str, list[str]]]:
     """(label, overrides) for each value of one axis."""
     if isinstance(values, list):
@@ -139,7 +175,10 @@ def load_sweep(path: str | Path) -> Sweep:
         raise UserError(f"sweep file {p}: unknown key(s) {', '.join(unknown)}; expected {', '.join(sorted(KNOWN))}")
     if "base" not in data or "output_dir" not in data:
         raise UserError(f"sweep file {p} needs base: (a config file) and output_dir: (where the runs go)")
-    base = Path(data["base"])
+    base = Path(_path(data["base"], "base", p))
+    output_dir = Path(_path(data["output_dir"], "output_dir", p))
+    if output_dir.exists() and not output_dir.is_dir():
+        raise UserError(f"sweep file {p}: output_dir {output_dir} is a file, not a folder; choose another output_dir")
     if not base.is_absolute():
         base = (p.parent / base) if (p.parent / base).is_file() else base
     if not base.is_file():
@@ -150,24 +189,44 @@ def load_sweep(path: str | Path) -> Sweep:
     parallel, threads = data.get("parallel", 1), data.get("threads", 0)
     if not isinstance(parallel, int) or parallel < 1 or not isinstance(threads, int) or threads < 0:
         raise UserError(f"sweep file {p}: parallel must be a positive integer and threads 0 or more")
-    sweep = Sweep(p, Path(data["output_dir"]), base, parallel, threads, _as_overrides(data.get("overrides"), "overrides"))
+    sweep = Sweep(p, output_dir, base, parallel, threads, _as_overrides(data.get("overrides"), "overrides"))
     seen: dict[str, Run] = {}
     for gi, grid in enumerate(grids):
-        axes = [(name, _axis(name, values, f"grids.{gi}")) for name, values in grid.items()]
+        axes = [(str(name), _axis(str(name), values, f"grids.{gi}")) for name, values in grid.items()]
         for combo in itertools.product(*[values for _, values in axes]):
             labels = {name: label for (name, _), (label, _) in zip(axes, combo)}
-            name = "__".join(f"{_safe(a)}-{_safe(lab)}" for a, lab in labels.items())
-            if name in seen:
-                continue
+            name = run_name(labels)
             overrides = [o for _, ov in combo for o in ov]
+            if name in seen:  # the same run again (grids are unioned), or two runs that would share a folder
+                _same_run(seen[name], labels, overrides)
+                continue
             seen[name] = Run(name, sweep.output_dir / name, labels, overrides)
     sweep.runs = list(seen.values())
+    for run in sweep.runs:
+        if run.folder.exists() and not run.folder.is_dir():
+            raise UserError(f"sweep run {run.name}: its folder {run.folder} is a file; move it away or choose another output_dir")
     for run in sweep.runs:
         try:
             load_config(sweep.base, [*sweep.common, *run.overrides, f"output_dir={run.folder}"])
         except UserError as e:
             raise UserError(f"sweep run {run.name}: {e}") from None
     return sweep
+
+
+def _same_run(first: Run, labels: dict[str, str], overrides: list[str]) -> None:
+    """A run whose folder name ``first`` already has: fine if it is the same run (same labels and
+    overrides: grids are unioned), else a one-line error naming both."""
+    if first.labels == labels and first.overrides == overrides:
+        return
+    if first.labels == labels:
+        raise UserError(f"sweep: run {first.name} is defined twice with different overrides ({' '.join(first.overrides)} and "
+                        f"{' '.join(overrides)}); give one of them another label")
+    axis = next((a for a in labels if first.labels.get(a) != labels[a]), None)
+    if axis is not None and axis in first.labels:
+        raise UserError(f"sweep: the values {first.labels[axis]!r} and {labels[axis]!r} of {axis} make the same folder name "
+                        f"{first.name}; name them with distinct labels of letters, digits and _.+- (a mapping label: value)")
+    raise UserError(f"sweep: runs {first.labels} and {labels} make the same folder name {first.name}; "
+                    "give them distinct labels of letters, digits and _.+-")
 
 
 def run_state(folder: Path) -> str:
@@ -208,7 +267,11 @@ def run_sweep(sweep: Sweep, log=print, execute=None) -> int:
     for run in sweep.runs:
         run.status = "complete" if run_state(run.folder) == "complete" else "pending"
         run.seconds = _recorded_seconds(run.folder)  # wall time of earlier attempts
-    _write_plan(sweep)
+    try:
+        _write_plan(sweep)
+    except OSError as e:
+        raise UserError(f"cannot write the sweep's plan to {sweep.output_dir / 'sweep.json'} ({e.strerror}); "
+                        f"choose another output_dir in {sweep.path}") from None
     stop_file = sweep.output_dir / "STOP"
     if stop_file.exists():
         stop_file.unlink()
@@ -234,6 +297,10 @@ def run_sweep(sweep: Sweep, log=print, execute=None) -> int:
         record()
         cmd = _command(sweep, run, threads)
         how = "resuming" if "--resume" in cmd else "starting"
+        if how == "starting":  # an earlier attempt that left no checkpoint: its files go aside, kept
+            aside = _set_aside(run.folder)
+            if aside is not None:
+                log(f"{run.name}: its earlier attempt left no checkpoint to resume from; its files are kept in {aside}")
         log(f"{how} {run.name}")
         t0, before = time.perf_counter(), run.seconds
         rc = execute(cmd, run.folder / "log.txt")
@@ -266,6 +333,25 @@ def run_sweep(sweep: Sweep, log=print, execute=None) -> int:
         + (f"; {len(waiting)} not started: run the sweep again to continue" if waiting else "")
         + f". Report: marft report {sweep.output_dir}")
     return 1 if failed or waiting else 0
+
+
+def _set_aside(folder: Path) -> Path | None:
+    """Move the files of an earlier ``marft train`` attempt in ``folder`` (one that left no
+    checkpoint: a run killed or failed early) into ``folder/earlier_attempt_N/``, so that the run
+    can start afresh there without overwriting them; None if there were none."""
+    from .assemble import earlier_run_files
+
+    found = earlier_run_files(folder)
+    if not found:
+        return None
+    n = 1
+    while (folder / f"earlier_attempt_{n}").exists():
+        n += 1
+    aside = folder / f"earlier_attempt_{n}"
+    aside.mkdir()
+    for f in found:
+        os.replace(f, aside / f.name)
+    return aside
 
 
 def _recorded_seconds(folder: Path) -> float:

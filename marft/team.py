@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from dataclasses import dataclass
 
 from .errors import UserError
 
 SHARED_ADAPTER = "team"
+SIMPLE_NAME = re.compile(r"[A-Za-z0-9_-]+")
+"""What agent and adapter names may hold: they name folders (``<run>/checkpoints/.../adapters/<adapter>``,
+``eval_final_without_<agent>.json``) and PEFT modules, so letters, digits, '_' and '-' only."""
 
 _ROLE_PROMPTS = {
     "planner": "You are the planner of a team that solves problems together. Read the problem and "
@@ -138,8 +142,11 @@ def build_team(cfg) -> Team:
     for i, n in enumerate(names):
         if not n:
             raise UserError(f"config: team.agents.{i}.name is empty; every agent needs a unique name")
+        _check_simple_name(n, f"team.agents.{i}.name")
         if names.count(n) > 1:
             raise UserError(f"config: agent name {n!r} is used twice in team.agents; names must be unique")
+        if agents[i].adapter:
+            _check_simple_name(agents[i].adapter, f"team.agents.{i}.adapter")
     graph = cfg.graph
     if graph == "chain":
         sees = {n: names[:i] for i, n in enumerate(names)}
@@ -150,7 +157,12 @@ def build_team(cfg) -> Team:
         for k, v in graph.items():
             if k not in sees:
                 raise UserError(f"config: team.graph names agent {k!r}, which is not in team.agents ({', '.join(names)})")
-            v = [v] if isinstance(v, str) else list(v or [])
+            v = [v] if isinstance(v, str) else v
+            if v is None:
+                v = []
+            if not isinstance(v, list) or not all(isinstance(j, str) for j in v):
+                raise UserError(f"config: team.graph.{k} must be a list of the agent names it sees, e.g. "
+                                f"team.graph={{{k}: [{next((m for m in names if m != k), k)}]}}, got {v!r}")
             for j in v:
                 if j not in sees:
                     raise UserError(f"config: team.graph.{k} names agent {j!r}, which is not in team.agents ({', '.join(names)})")
@@ -178,6 +190,12 @@ def build_team(cfg) -> Team:
         seen = tuple(m for m in order if m in sees[n])
         out.append(Agent(n, a.prompt, bool(a.answers), adapter, a.model, seen, limits.get(n, 0)))
     return Team(tuple(out))
+
+
+def _check_simple_name(name, where: str) -> None:
+    if not isinstance(name, str) or not SIMPLE_NAME.fullmatch(name):
+        raise UserError(f"config: {where} {name!r} is not a simple name; use only letters, digits, '_' and '-' "
+                        "(it names the agent's adapter folder)")
 
 
 def _topological_order(names: list[str], sees: dict[str, list[str]]) -> list[str]:

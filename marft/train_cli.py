@@ -26,13 +26,21 @@ def cmd_train(args) -> int:
     def log(message: str) -> None:
         console.print(message, markup=False, highlight=False)
 
+    from .assemble import check_new_run_dir
+    from .cli import config_file
+
     if args.resume:
-        overrides = [*([args.config] if args.config and "=" in args.config else []), *args.overrides]
+        given = args.config if args.config and "=" not in args.config else None
+        overrides = [*([args.config] if args.config and not given else []), *args.overrides]
+        if given:  # marft train CONFIG --resume RUN: CONFIG must be the run's own
+            _check_given_config(config_file(given, "train"), overrides, args.resume)
         trainer = MarftTrainer.resume(args.resume, overrides, log=log)
     else:
         if not args.config:
             raise UserError("marft train needs a config file (e.g. configs/duo_arithmetic.yaml) or --resume RUN_DIR")
-        trainer = MarftTrainer(load_config(args.config, args.overrides), log=log)
+        cfg = load_config(config_file(args.config, "train"), args.overrides)
+        check_new_run_dir(Path(cfg.output_dir), args.config)  # before the models load: nothing to overwrite
+        trainer = MarftTrainer(cfg, log=log)
     atexit.register(trainer.close)  # a vllm engine's worker processes, Ray's actors
 
     def on_stop(signum, frame):
@@ -53,11 +61,52 @@ def cmd_train(args) -> int:
         atexit.unregister(trainer.close)
     if result.stopped:
         return 130
-    _print_comparison(result.run_dir, result.final)
+    _print_comparison(result.run_dir, result.final, result.adapters)
     return 0
 
 
-def _print_comparison(run_dir: Path, final: dict) -> None:
+def _check_given_config(given: str, overrides: list[str], run_dir: str) -> None:
+    """``marft train CONFIG --resume RUN``: the run continues with its own saved config (and the
+    overrides), so CONFIG, with the same overrides, must be that config; a one-line error names
+    the first keys where it is not, and how to make the change instead."""
+    from .api import _check_same_run, load_config
+    from .checkpoints import resume_checkpoint
+    from .config import to_dict
+
+    ckpt = resume_checkpoint(run_dir)
+    saved = load_config(ckpt / "config.yaml", output_dir=str(run_dir))
+    run_cfg = load_config(saved, overrides, output_dir=str(run_dir))
+    cfg = load_config(given, overrides, output_dir=str(run_dir))
+    _check_same_run(saved, cfg, ckpt)  # the team, adapters, algorithm and LoRA shape: their own message
+    a, b = _flat(to_dict(run_cfg)), _flat(to_dict(cfg))
+    differ = [k for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
+    if differ:
+        shown = "; ".join(f"{k}: {a.get(k)!r} in the run, {b.get(k)!r} in {given}" for k in differ[:3])
+        more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
+        raise UserError(f"{given} is not the config of run {run_dir} ({ckpt / 'config.yaml'}): {shown}{more}; --resume continues "
+                        f"the run with its own config: give a change as an override ({differ[0]}={_value(b.get(differ[0]))}), "
+                        f"or leave {given} out")
+
+
+def _value(v) -> str:
+    """``v`` as it is written on the command line (YAML, flow style)."""
+    import yaml
+
+    return v if isinstance(v, str) else yaml.safe_dump(v, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _print_comparison(run_dir: Path, final: dict, adapters: Path | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -66,7 +115,9 @@ def _print_comparison(run_dir: Path, final: dict) -> None:
         table.add_column(col, justify="right" if col != "team" else "left")
     untrained = run_dir / "eval_untrained.json"
     rows = [("untrained", json.loads(untrained.read_text()))] if untrained.is_file() else []
-    for name, r in rows + [("trained", final)]:
+    if adapters is not None or not rows:  # train.iterations=0 trains nothing: its final evaluation is the untrained one
+        rows.append(("trained", final))
+    for name, r in rows:
         lo, hi = r["ci95"]
         mean = ", macro mean" if r.get("tasks") else ""
         table.add_row(name + mean, f"{100 * r['accuracy']:.1f}%", f"{100 * lo:.1f}-{100 * hi:.1f}", f"{100 * r['extraction_rate']:.1f}%")
@@ -74,4 +125,7 @@ def _print_comparison(run_dir: Path, final: dict) -> None:
             tl, th = x["ci95"]
             table.add_row(f"  {task}", f"{100 * x['accuracy']:.1f}%", f"{100 * tl:.1f}-{100 * th:.1f}", f"{100 * x['extraction_rate']:.1f}%")
     Console().print(table)
-    print(f"trained adapters: {run_dir}/checkpoints/latest -> adapters/ (marft eval CONFIG --adapters DIR)", file=sys.stderr)
+    if adapters is not None:
+        print(f"trained adapters: {run_dir}/checkpoints/latest -> adapters/ (marft eval CONFIG --adapters DIR)", file=sys.stderr)
+    else:
+        print("no adapters were trained (train.iterations=0): the table is the untrained team's", file=sys.stderr)

@@ -58,6 +58,7 @@ class WorkflowEnv(DatasetEnv):
         fn = getattr(import_user_module(module_name, "marft_user_workflow_"), attr, None)
         if not callable(fn):
             raise UserError(f"task.workflow {workflow!r}: module {module_name!r} has no function {attr!r}")
+        check_workflow(fn, workflow)
         self.workflow_fn = fn
 
     def score_answer(self, answer: str) -> Grade | dict[str, float]:
@@ -71,6 +72,21 @@ class WorkflowEnv(DatasetEnv):
         if isinstance(score, dict):
             return score
         return Grade(correct=score >= self.success_threshold, extracted=bool((answer or "").strip()), score=score)
+
+
+def check_workflow(fn: Callable, spec: str) -> None:
+    """A :class:`UserError` unless ``fn`` can be called as ``workflow(problem, client)`` (a callable
+    without a signature, such as some builtins, passes: its calls will tell)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind("problem", "client")
+    except TypeError:
+        name = getattr(fn, "__name__", type(fn).__name__)
+        raise UserError(f"task.workflow {spec!r} must take two arguments, workflow(problem, client); "
+                        f"its signature is {name}{sig}") from None
 
 
 def workflow_rollout(team, engine, envs: list[WorkflowEnv], resets: list, sampling, generator, timeout_s: float) -> Rollout:
@@ -130,7 +146,7 @@ def play_workflows(team, server, workflow: Callable, problems: list[dict], rewar
                 client = openai.OpenAI(base_url=server.base_url(ids[e]), api_key=server.api_key, max_retries=0,
                                        timeout=timeout_s, http_client=shared)
                 answers[e] = workflow(problems[e], client)
-        except Exception as err:  # noqa: BLE001 - the user's program failed: this episode only
+        except BaseException as err:  # noqa: BLE001 - the user's program failed (sys.exit() too): this episode only
             errors[e] = f"the workflow raised {type(err).__name__}: {err}"
         finally:
             finish()

@@ -145,3 +145,16 @@ def test_env_check_command(tmp_path, capsys):
     assert main(["env-check", f"{f}:NeverEnds"]) == 1
     out = capsys.readouterr().out
     assert "horizon" in out
+
+
+def test_train_with_no_iterations_names_no_adapters(tiny_overrides, tmp_path, capsys):
+    """``train.iterations=0`` (a baseline run) trains no adapters: the command says so instead of
+    pointing at a checkpoint that does not exist, and shows the one evaluation once."""
+    rc = main(["train", "configs/duo_arithmetic.yaml", *tiny_overrides, "train.iterations=0", "eval.ablate=false"])
+    captured = capsys.readouterr()
+    assert rc == 0 and "Traceback" not in captured.err
+    assert not (tmp_path / "run" / "checkpoints").exists() and "trained adapters:" not in captured.err
+    assert captured.err.strip().splitlines()[-1] == "no adapters were trained (train.iterations=0): the table is the untrained team's"
+    assert "│ untrained" in captured.out and "│ trained" not in captured.out  # one row: nothing was trained
+    assert json.loads((tmp_path / "run" / "eval_final.json").read_text()) == \
+        json.loads((tmp_path / "run" / "eval_untrained.json").read_text())

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import VOWEL_ENV
+from marft.checkpoints import latest_checkpoint
 from marft.cli import main
 
 CONFIG = "configs/duo_arithmetic.yaml"
@@ -144,6 +145,18 @@ ROWS = [
     ("env-no-class", lambda f: ["env-check", f"{f.d / 'envs.py'}:Nope"], "has no attribute 'Nope'"),
     ("task-env-import-error", lambda f: ["eval", CONFIG, *f.tiny, "task.kind=custom", "task.options={}",
                                          f"task.env={f.d / 'broken_env.py'}:X"], "cannot import module"),
+    # paths of the wrong kind: say what they are, not "not found"
+    ("config-is-a-folder", lambda f: ["eval", str(f.run), *f.tiny],
+     "is a folder; give the path of a YAML file such as configs/duo_arithmetic.yaml (a run folder: marft eval"),
+    ("train-config-is-a-folder", lambda f: ["train", str(f.run)], "(a run folder: continue it with marft train --resume"),
+    ("adapters-is-a-file", lambda f: ["eval", CONFIG, *f.tiny, "--adapters", str(f.d / "bad.yaml")],
+     "is a file, not a folder; give a checkpoint's adapters/ folder, a checkpoint or a run folder"),
+    ("adapters-folder-without-adapters", lambda f: ["eval", CONFIG, *f.tiny, "--adapters", str(f.d)],
+     "holds no adapters (no subfolder with an adapter_config.json)"),
+    ("resume-a-file", lambda f: ["train", "--resume", str(f.d / "bad.yaml")],
+     "bad.yaml is a file, not a run folder; resume takes the output_dir of an earlier marft train run (to start a new run"),
+    ("resume-a-checkpoint", lambda f: ["train", "--resume", str(f.run / "checkpoints" / "iter_000001")],
+     "iter_000001 is a checkpoint, not a run folder; give the run folder"),
     # command line
     ("unknown-command", lambda f: ["trian", CONFIG], "invalid choice: 'trian'"),
     ("unknown-flag", lambda f: ["eval", CONFIG, "--foo"], "unrecognized arguments: --foo; see marft eval --help"),
@@ -211,6 +224,15 @@ RESUME_ROWS = [
     ("other-algorithm", None, ["train.algorithm=ippo"], "--resume cannot change train.algorithm (marft -> ippo)"),
     ("other-lora", None, ["model.lora.r=4"], "--resume cannot change model.lora"),
     ("bad-override", None, ["train.lr=-1"], "train.lr must be positive"),
+    ("latest-names-a-missing-checkpoint", lambda r: (r / "checkpoints/latest").write_text("iter_000999"), [],
+     "checkpoints/latest names checkpoint iter_000999, which is missing from"),
+    ("latest-empty", lambda r: (r / "checkpoints/latest").write_text(""), [],
+     "checkpoints/latest does not name a checkpoint (it is empty or not a folder name such as iter_000002); write the "
+     "name of one that is there (iter_000001) into"),
+    ("adapter-config-missing", lambda r: (r / CKPT / "adapters/solver/adapter_config.json").unlink(), [],
+     "adapter 'solver' in"),
+    ("checkpoint-config-missing", lambda r: (r / CKPT / "config.yaml").unlink(), [],
+     "iter_000001 has no config.yaml; it is incomplete or not a marft checkpoint"),
 ]
 
 
@@ -239,6 +261,77 @@ def test_new_run_into_a_folder_with_checkpoints(f, run, capsys):
     assert main(["train", CONFIG, *f.tiny, *f.vowel, f"output_dir={run}"]) == 2
     assert f"continue it with --resume {run}" in one_line_error(capsys)
     assert tree_hash(run) == before
+
+
+def test_missing_adapter_config_is_named(run, capsys):
+    (run / CKPT / "adapters/solver/adapter_config.json").unlink()
+    assert main(["train", "--resume", str(run), "train.iterations=2"]) == 2
+    line = one_line_error(capsys)
+    assert line.endswith(f"adapter 'solver' in {run / CKPT / 'adapters/solver'} has no adapter_config.json; the adapter is "
+                         "incomplete: replace it or use an earlier checkpoint"), line
+
+
+def test_a_config_given_with_resume_must_be_the_runs(f, run, tmp_path, capsys):
+    """``marft train CONFIG --resume RUN`` (as TRL users pass both): CONFIG is checked against the
+    run's own config, not ignored; the same config resumes, another is one line and harms nothing."""
+    other = tmp_path / "other.yaml"
+    other.write_text((run / "config.yaml").read_text().replace("\n  lr: 0.0005", "\n  lr: 0.001"))
+    before = tree_hash(run)
+    assert main(["train", str(other), "--resume", str(run), "train.iterations=2"]) == 2
+    line = one_line_error(capsys)
+    assert f"{other} is not the config of run {run} ({run / CKPT / 'config.yaml'}): train.lr: 0.0005 in the run, 0.001 in" in line
+    assert "give a change as an override (train.lr=0.001), or leave" in line
+    assert tree_hash(run) == before
+    assert main(["train", CONFIG, "--resume", str(run), *f.tiny[:-1], "train.iterations=2", "train.algorithm=ippo"]) == 2
+    assert "--resume cannot change train.algorithm (marft -> ippo)" in one_line_error(capsys)
+    assert tree_hash(run) == before
+    same = tmp_path / "same.yaml"
+    same.write_text((run / "config.yaml").read_text())
+    assert main(["train", str(same), "--resume", str(run), "train.iterations=2"]) == 0
+    assert latest_checkpoint(run).name == "iter_000002"
+
+
+def test_a_new_run_never_overwrites_the_config_it_was_given(f, tmp_path, capsys, monkeypatch):
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "config.yaml").write_text("# my notes\n" + Path(CONFIG).read_text())
+    before = tree_hash(user)
+    for out in (f"output_dir={user}", "output_dir="):  # empty: the current folder
+        monkeypatch.chdir(user)
+        rc = main(["train", "config.yaml", *f.tiny, *f.vowel, out])
+        monkeypatch.undo()
+        line = one_line_error(capsys)
+        assert rc == 2 and "holds config.yaml, the config file you gave, which marft train would overwrite with its own " \
+            "config.yaml; choose another output_dir=..." in line, line
+        assert tree_hash(user) == before
+
+
+def test_a_new_run_never_overwrites_an_earlier_runs_results(f, run, capsys):
+    """An earlier run's folder without checkpoints (weights not kept, as in results/) is not overwritten."""
+    shutil.rmtree(run / "checkpoints")
+    before = tree_hash(run)
+    assert main(["train", CONFIG, *f.tiny, *f.vowel, f"output_dir={run}"]) == 2
+    line = one_line_error(capsys)
+    assert line == (f"marft: error: output_dir {run} already holds eval_final.json of an earlier run, which a new run would "
+                    "overwrite, and no checkpoint to resume from; choose another output_dir=..., or move that run's files away first")
+    assert tree_hash(run) == before
+    import marft
+
+    with pytest.raises(marft.UserError, match="already holds eval_final.json of an earlier run"):  # the Python API too
+        marft.MarftTrainer(marft.load_config(CONFIG, [*f.tiny, *f.vowel, f"output_dir={run}"]), log=None)
+    assert tree_hash(run) == before
+
+
+def test_eval_output_that_is_a_folder_fails_before_evaluating(f, tmp_path, capsys):
+    out = tmp_path / "e1"
+    out.mkdir()
+    (out / "mine.txt").write_text("kept")
+    assert main(["eval", CONFIG, *f.tiny, f"eval.output={out}"]) == 2
+    captured = capsys.readouterr()
+    line = check_error(captured, 2)
+    assert line == f"marft: error: eval.output {out} is a folder; give the path of a file to write, e.g. eval.output={out / 'eval.json'}"
+    assert "evaluating" not in captured.err and captured.out == ""  # nothing evaluated, then lost
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e1"] and (out / "mine.txt").read_text() == "kept"
 
 
 def test_resume_still_works_after_the_checks(run, capsys):

@@ -9,6 +9,7 @@ runs compared are computed the same way."""
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -126,7 +127,7 @@ def assert_same_run(a: Path, b: Path):
 
 @pytest.mark.parametrize("where,at,resumes_from", [
     ("generation", 2, 1), ("update", 2, 1), ("adapters", 2, 1), ("rename", 2, 1), ("pointer", 2, 1),
-    ("generation", 1, None),  # before the first checkpoint: resume says so, a fresh start recovers
+    ("generation", 1, None),  # before the first checkpoint: resume says so, a fresh start (once the files are moved away) recovers
 ])
 def test_killed_run_resumes_to_the_same_result(setup, where, at, resumes_from):
     folder, over, straight, _ = setup
@@ -138,6 +139,9 @@ def test_killed_run_resumes_to_the_same_result(setup, where, at, resumes_from):
         assert last is None
         r = marft("train", "--resume", str(run))
         assert r.returncode == 2 and "has no complete checkpoint" in r.stderr and "Traceback" not in r.stderr
+        r = marft("train", "configs/duo_arithmetic.yaml", *over, f"output_dir={run}")  # a new run overwrites nothing
+        assert r.returncode == 2 and "of an earlier run, which a new run would overwrite" in r.stderr, r.stderr[-2000:]
+        shutil.move(run, folder / f"{run.name}_first_attempt")  # the user moves the killed run's files away
         r = marft("train", "configs/duo_arithmetic.yaml", *over, f"output_dir={run}")
     else:
         assert last.name == f"iter_{resumes_from:06d}"

@@ -272,3 +272,35 @@ def test_the_report_says_where_the_runs_ran(tmp_path):
     from marft.report import to_markdown
     assert "Machines (every run with a result, finished or not): Intel Xeon (AMX, 2 cores), cpu, bfloat16: 1 run; AMD EPYC, 2 cores: 1 run; not recorded: 1 run." \
         in to_markdown(report, [])
+
+
+def test_malformed_files_are_left_out_with_a_one_line_warning_each(tmp_path, capsys):
+    """A report over many run folders goes on past malformed files (as past a missing one): each is
+    named in one warning line, left out, and its run still listed; the good runs are reported whole."""
+    for name, seed in (("good", 0), ("list", 1), ("line", 2), ("bytes", 3), ("labels", 4)):
+        make_run(tmp_path / name, seed, final=[1, 0, 1, 0], untrained=[0, 0, 1, 0])
+    (tmp_path / "list" / "eval_final.json").write_text("[1, 2]")
+    with open(tmp_path / "line" / "metrics.jsonl", "a") as f:
+        f.write("[]\n" + json.dumps({"iteration": 9, "reward": 1.0}) + "\n")
+    (tmp_path / "bytes" / "metrics.jsonl").write_bytes(b'{"iteration": 1, "reward": 0.5}\n\xff\xfe not text\n')
+    (tmp_path / "labels" / "sweep_run.json").write_text('{"labels": [1, 2]}')
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert main(["report", str(tmp_path), "--out", str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    warnings = [x for x in err.splitlines() if x.startswith("marft report: warning:")]
+    assert warnings == [
+        f"marft report: warning: {tmp_path / 'bytes' / 'metrics.jsonl'} line 2 is not UTF-8 text (byte 0xff); it and the lines "
+        "after it are left out",
+        f"marft report: warning: {tmp_path / 'labels' / 'sweep_run.json'} has no labels mapping; the run is labelled from its config.yaml",
+        f"marft report: warning: {tmp_path / 'line' / 'metrics.jsonl'} line 4 is not a metrics record (a JSON object with a "
+        "whole-number iteration); it and the lines after it are left out",
+        f"marft report: warning: {tmp_path / 'list' / 'eval_final.json'} is not a marft evaluation result (it holds a JSON list, "
+        "not an object); left out"]
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["runs"] == 5 and report["complete"] == 4  # the run with the bad eval_final.json is listed, not complete
+    (group,) = report["groups"]
+    assert group["incomplete"] == [{"folder": str(tmp_path / "list"), "seed": "1", "status": "partial (3/3 iterations)"}]
+    assert all(p.read_bytes() == b for p, b in before.items())  # the report reads, never writes, run folders
+    runs = {r.folder.name: r for r in find_runs([str(tmp_path)])}
+    assert [m["iteration"] for m in runs["line"].metrics] == [1, 2, 3] and len(runs["bytes"].metrics) == 1

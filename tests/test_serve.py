@@ -119,6 +119,49 @@ def test_bad_requests_get_openai_errors_and_the_endpoint_goes_on(server, body, k
     assert ok == 200 and reply["choices"][0]["message"]["role"] == "assistant"
 
 
+def test_a_null_max_completion_tokens_leaves_max_tokens_in_force(server):
+    # null is "not given" (it used to hide max_tokens: the reply ran to the limit, 6)
+    ok, reply = _post(server, {"model": "solver", "messages": chat("Count to ten."), "max_completion_tokens": None,
+                               "max_tokens": 3})
+    assert ok == 200 and reply["usage"]["completion_tokens"] <= 3, reply
+    assert server.calls()[-1].sampling.max_new_tokens == 3
+    ok, reply = _post(server, {"model": "solver", "messages": chat("Count."), "max_completion_tokens": 2, "max_tokens": 5})
+    assert ok == 200 and server.calls()[-1].sampling.max_new_tokens == 2  # the newer name wins
+    got, reply = _post(server, {"model": "solver", "messages": chat("x"), "max_completion_tokens": -1, "max_tokens": 3})
+    assert got == 400 and reply["error"]["param"] == "max_completion_tokens", reply
+
+
+def test_a_null_n_is_one_reply(server):
+    ok, reply = _post(server, {"model": "solver", "messages": chat("Calculate 1 + 1."), "n": None})
+    assert ok == 200 and len(reply["choices"]) == 1, reply  # was a 400: "n must be 1, got None"
+    for n in (True, 0, "1"):
+        got, reply = _post(server, {"model": "solver", "messages": chat("x"), "n": n})
+        assert got == 400 and reply["error"]["param"] == "n", (n, reply)
+
+
+@pytest.mark.parametrize("method,path,status,allow", [
+    ("GET", "/v1/chat/completions", 405, "POST"),
+    ("POST", "/v1/models", 405, "GET"),
+    ("POST", "/v1/nothing", 404, None),
+    ("GET", "/", 404, None),
+    ("POST", "/episodes/e1/v1/completions", 404, None),
+])
+def test_a_wrong_path_or_method_gets_an_openai_error(server, method, path, status, allow):
+    req = urllib.request.Request(f"http://{server.host}:{server.port}{path}", method=method,
+                                 data=b"{}" if method == "POST" else None,
+                                 headers={"Authorization": f"Bearer {server.api_key}"})
+    with pytest.raises(urllib.error.HTTPError) as e:  # was plain text: "Not Found", "Method Not Allowed"
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == status and e.value.headers["content-type"] == "application/json"
+    err = json.loads(e.value.read())["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert f"{method} {path}" in err["message"] and "/v1/chat/completions" in err["message"]
+    if allow:
+        assert allow in e.value.headers["allow"] and allow in err["message"]
+    ok, _ = _post(server, {"model": "solver", "messages": chat("Calculate 2 + 2.")})
+    assert ok == 200
+
+
 def test_the_key_guards_every_route_and_the_server_binds_locally(server):
     req = urllib.request.Request(f"http://{server.host}:{server.port}/v1/models")
     with pytest.raises(urllib.error.HTTPError) as e:
@@ -151,7 +194,37 @@ def test_marft_serve_command_serves_until_interrupted(tiny_model_dir, tmp_path):
             openai.OpenAI(base_url=m.group(1), api_key="sk-other").models.list()
         port = int(m.group(1).split(":")[2].split("/")[0])
         taken = subprocess.run([*args[:-1], str(port)], capture_output=True, text=True, timeout=120)
-        assert taken.returncode == 2 and "choose another --port" in taken.stderr.splitlines()[-1]
+        assert taken.returncode == 2 and "the port is in use" in taken.stderr.splitlines()[-1]
+        assert "choose another --port" in taken.stderr.splitlines()[-1]
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
+
+
+@pytest.mark.parametrize("host,why", [("256.1.1.1", "not a valid address of this machine"),
+                                      ("192.0.2.1", "not a valid address of this machine"),  # TEST-NET: no one's
+                                      ("no-such-host.invalid", "not a valid address of this machine")])
+def test_a_host_that_is_not_this_machines_is_one_line(team_parts, host, why):
+    from marft.errors import UserError
+    from marft.serve import TeamServer
+
+    team, models, engine = team_parts
+    server = serve_team(models, team, engine, SAMPLING, host=host, port=8000)
+    with pytest.raises(UserError, match=why) as e:  # was: uvicorn's ERROR line, then "is the port in use?"
+        server.start()
+    assert "--host" in str(e.value) and "port is in use" not in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(UserError, match="0-65535"):
+        TeamServer(team, engine, SAMPLING, None, None, port=70000).start()
+
+
+def test_marft_serve_with_a_bad_host_is_one_line(tiny_model_dir, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    args = [str(Path(sys.executable).parent / "marft"), "serve", "configs/duo_arithmetic.yaml", f"model.name={tiny_model_dir}",
+            "model.dtype=float32", "model.device=cpu", f"output_dir={tmp_path}", "--host", "256.1.1.1", "--port", "0"]
+    got = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    lines = got.stderr.splitlines()
+    assert got.returncode == 2 and not any(line.startswith("ERROR") for line in lines), got.stderr
+    assert lines[-1].startswith("marft: error: cannot serve on 256.1.1.1:0: 256.1.1.1 is not a valid address"), lines

@@ -73,6 +73,70 @@ def test_bad_sweep_files_fail_before_running(tmp_path, monkeypatch, capsys, text
     assert not Path(ROOT / "o").exists()
 
 
+@pytest.mark.parametrize("text,message", [
+    ("output_dir:\nbase: configs/duo_arithmetic.yaml\ngrid: {seed: [0]}\n", "output_dir must be a path (a string), got nothing"),
+    ("output_dir: [a, b]\nbase: configs/duo_arithmetic.yaml\ngrid: {seed: [0]}\n",
+     "output_dir must be a path (a string), got list ['a', 'b']"),
+    ("output_dir: o\nbase: [configs/duo_arithmetic.yaml]\ngrid: {seed: [0]}\n",
+     "base must be a path (a string), got list ['configs/duo_arithmetic.yaml']"),
+    ("output_dir: configs/duo_arithmetic.yaml\nbase: configs/duo_arithmetic.yaml\ngrid: {seed: [0]}\n",
+     "output_dir configs/duo_arithmetic.yaml is a file, not a folder; choose another output_dir"),
+    ("output_dir: o\nbase: configs/duo_arithmetic.yaml\ngrid: {team.agents.0.prompt: ['Say hi!', 'Say hi?']}\n",
+     "the values 'Say hi!' and 'Say hi?' of team.agents.0.prompt make the same folder name team.agents.0.prompt-Say_hi_; "
+     "name them with distinct labels"),
+    ("output_dir: o\nbase: configs/duo_arithmetic.yaml\ngrids: [{seed: {a: {seed: 1}}}, {seed: {a: {seed: 2}}}]\n",
+     "run seed-a is defined twice with different overrides (seed=1 and seed=2); give one of them another label"),
+])
+def test_bad_sweep_paths_and_clashing_names_are_one_line(tmp_path, monkeypatch, capsys, text, message):
+    monkeypatch.chdir(ROOT)
+    path = write(tmp_path / "bad.yaml", text)
+    before = (ROOT / "configs/duo_arithmetic.yaml").read_bytes()
+    for args in (["sweep", str(path), "--dry-run"], ["sweep", str(path)]):
+        assert main(args) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("marft: error: sweep") and message in lines[0], lines
+    assert not Path(ROOT / "o").exists() and (ROOT / "configs/duo_arithmetic.yaml").read_bytes() == before
+
+
+def test_long_labels_make_short_folder_names_that_the_dry_run_shows(tmp_path, capsys):
+    """A 300-character label would exceed the file system's 255-byte name limit: it is shortened
+    to its start and a hash of the whole label, the same every time, and --dry-run lists that name."""
+    long_a, long_b = "Say hi! " * 40, "Say hi! " * 39 + "Say ho! "
+    path = write(tmp_path / "s.yaml", "output_dir: {}\nbase: {}\ngrid: {{team.agents.0.prompt: ['{}', '{}'], seed: [0]}}\n".format(
+        tmp_path / "out", ROOT / "configs/duo_arithmetic.yaml", long_a, long_b))
+    sweep = load_sweep(path)
+    names = [r.name for r in sweep.runs]
+    assert len(set(names)) == 2 and all(len(n) < 100 for n in names)
+    assert names[0].startswith("team.agents.0.prompt-Say_hi__Say_hi__") and names[0].endswith("__seed-0")
+    assert [r.name for r in load_sweep(path).runs] == names  # deterministic
+    assert sweep.runs[0].overrides[0] == f"team.agents.0.prompt={long_a}"  # the value itself is whole
+    assert main(["sweep", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"{n}  [new]" in out for n in names)
+    calls = []
+    assert run_sweep(sweep, log=lambda m: None, execute=fake_executor(calls)) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.is_dir()) == sorted(names)
+
+
+def test_a_failed_attempt_without_checkpoint_is_kept_aside_when_the_run_starts_again(tmp_path):
+    """A run that failed before its first checkpoint starts afresh on the next sweep (marft train
+    refuses a folder holding an earlier run's files): its files go to earlier_attempt_1/, not lost."""
+    path = write(tmp_path / "s.yaml", "output_dir: {}\nbase: {}\ngrid: {{seed: [0]}}\n".format(
+        tmp_path / "out", ROOT / "configs/duo_arithmetic.yaml"))
+    folder = tmp_path / "out" / "seed-0"
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text("seed: 0\n")
+    (folder / "metrics.jsonl").write_text('{"iteration": 1}\n')
+    (folder / "log.txt").write_text("the first attempt's log\n")
+    logs, calls = [], []
+    assert run_sweep(load_sweep(path), log=logs.append, execute=fake_executor(calls)) == 0
+    assert calls == [("seed-0", False)]
+    aside = folder / "earlier_attempt_1"
+    assert (aside / "metrics.jsonl").read_text() == '{"iteration": 1}\n' and (aside / "config.yaml").read_text() == "seed: 0\n"
+    assert not (folder / "metrics.jsonl").exists() and "the first attempt's log" in (folder / "log.txt").read_text()
+    assert any(f"its files are kept in {aside}" in m for m in logs)
+
+
 def fake_executor(calls, fail=(), delay=0.0):
     """Stands in for ``marft train``: a new run gets a checkpoint then eval_final.json; runs named
     in ``fail`` exit 1 after writing their checkpoint. Each takes ``delay`` seconds."""

@@ -124,20 +124,23 @@ def test_failing_hanging_and_idle_workflows_fail_alone(duo):
         if i == 3:
             return "nothing asked"
         agent = {5: "planner", 6: "critic"}.get(i, "solver")  # 5 ends on the planner; 6 asks an agent the team lacks
-        return client.chat.completions.create(model=agent, messages=[{"role": "user", "content": problem["prompt"]}]
+        text = client.chat.completions.create(model=agent, messages=[{"role": "user", "content": problem["prompt"]}]
                                               ).choices[0].message.content
+        if i == 7:  # sys.exit() in a workflow fails its episode (it used to end the thread silently: a success)
+            raise SystemExit(3)
+        return text
 
-    problems, _ = problems_of(team, 7)
+    problems, _ = problems_of(team, 8)
     t0 = time.monotonic()
     with serve_team(models, team, engine, SAMPLING) as server:
         out = play_workflows(team, server, workflow, problems, lambda a, p: 1.0, timeout_s=3)
     assert time.monotonic() - t0 < 20
-    assert out.failed.tolist() == [False, True, True, True, False, True, True]
-    assert "ValueError: my tool broke" in out.infos[1]["error"]
+    assert out.failed.tolist() == [False, True, True, True, False, True, True, True]
+    assert "ValueError: my tool broke" in out.infos[1]["error"] and "SystemExit: 3" in out.infos[7]["error"]
     assert "timeout" in out.infos[2]["error"] and "called no agent" in out.infos[3]["error"]
     assert "last call was to planner, not to solver" in out.infos[5]["error"]
     assert "NotFoundError" in out.infos[6]["error"] and "'critic' does not exist" in out.infos[6]["error"]
-    assert out.success.tolist() == [True, False, False, False, True, False, False]
+    assert out.success.tolist() == [True, False, False, False, True, False, False, False]
     kept = out.select(~out.failed)
     assert [t.episodes.tolist() for t in kept.turns] == [[0, 1]]
 
@@ -296,6 +299,52 @@ def test_a_bad_workflow_is_one_line(spec, message, tiny_model_dir, tmp_path, cap
                "task.options={}", f"task.workflow={spec.format(file=tmp_path / 'my_team.py')}", f"output_dir={tmp_path}"])
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("marft: error")]
     assert rc == 2 and len(err) == 1 and message in err[0], err
+
+
+@pytest.mark.parametrize("source,message", [
+    # a module that exits when imported: one line naming the file, status 2 (was: status 3, nothing printed)
+    ("import sys\nsys.exit(3)\n", "my_team.py': it called sys.exit(3) while being imported"),
+    ("raise BaseException('odd')\n", "my_team.py': BaseException: odd"),
+])
+def test_a_workflow_module_that_exits_on_import_is_one_line(source, message, tiny_model_dir, tmp_path, capsys):
+    rc, err = _eval_workflow(tmp_path, tiny_model_dir, source, "duo", capsys)
+    assert rc == 2 and len(err) == 1 and "cannot import module" in err[0] and message in err[0], err
+
+
+@pytest.mark.parametrize("source,signature", [
+    ("def duo(problem):\n    return ''\n", "duo(problem)"),
+    ("def duo(problem, client, judge):\n    return ''\n", "duo(problem, client, judge)"),
+    ("def duo():\n    return ''\n", "duo()"),
+])
+def test_a_workflow_with_the_wrong_signature_is_one_line(source, signature, tiny_model_dir, tmp_path, capsys):
+    rc, err = _eval_workflow(tmp_path, tiny_model_dir, source, "duo", capsys)
+    assert rc == 2 and len(err) == 1, err
+    assert "must take two arguments, workflow(problem, client); its signature is " + signature in err[0], err
+
+
+def test_workflows_that_take_problem_and_client_pass_the_check():
+    from marft.workflow import check_workflow
+
+    def default(problem, client, tries=3): ...
+    def star(*args): ...
+    async def coro(problem, client): ...
+    for fn in (default, star, coro, lambda p, c: None, print):
+        check_workflow(fn, "x.py:fn")
+
+
+def _eval_workflow(tmp_path, tiny_model_dir, source, name, capsys):
+    """``marft eval`` of a workflow task whose workflow is ``name`` in a file holding ``source``:
+    (exit status, the ``marft: error`` lines)."""
+    from test_dataset_task import REWARDS, records, write_jsonl
+    from marft.cli import main
+
+    data = write_jsonl(tmp_path / "sums.jsonl", records(5))
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    (tmp_path / "my_team.py").write_text(source)
+    rc = main(["eval", "configs/duo_arithmetic.yaml", f"model.name={tiny_model_dir}", "model.dtype=float32",
+               "task.kind=workflow", f"task.dataset={data}", f"task.reward={tmp_path / 'rewards.py'}:exact",
+               "task.options={}", f"task.workflow={tmp_path / 'my_team.py'}:{name}", f"output_dir={tmp_path}"])
+    return rc, [line for line in capsys.readouterr().err.splitlines() if line.startswith("marft: error")]
 
 
 @pytest.mark.parametrize("config", ["workflow_duo", "workflow_loop"])

@@ -25,7 +25,32 @@ DATASET_KEYS = ("dataset", "dataset_config", "train_split", "test_split", "promp
 # and of kind "workflow": the same plus the workflow function
 WORKFLOW_KEYS = (*DATASET_KEYS, "workflow")
 
-__all__ = ["Grade", "Problem", "TeamEnv", "TurnBasedEnv", "make_env_factory", "KINDS", "DATASET_KEYS"]
+__all__ = ["Grade", "Problem", "TeamEnv", "TurnBasedEnv", "make_env_factory", "KINDS", "DATASET_KEYS", "option_clash"]
+
+# keyword arguments marft passes to every environment itself, and what to do instead
+_OWN = {"agents": "is set by marft from team.agents (the agents' names); remove it from {w}.options",
+        "answering": "is set by marft from team.agents (the agents with answers: true); remove it from {w}.options",
+        "horizon": "is a key of its own: set {w}.horizon instead"}
+_OWN_BY_KIND = {  # and those of each kind (make_env_factory passes them from task.*)
+    "reasoning_gym": ("name",), "math": ("train_path", "test_path"), "code": ("name", "train_path", "test_path"),
+    "coop": ("name",), "dataset": DATASET_KEYS, "workflow": WORKFLOW_KEYS, "custom": ()}
+
+
+def option_clash(kind: str, options: dict, where: str = "task") -> str | None:
+    """The one-line problem with ``options`` (``task.options``) of a task of ``kind``: a key that
+    marft sets itself (the team, the horizon, a key of the task's own such as ``task.name``), which
+    the environment would get twice; None if there is none. ``where`` is the task's place in the
+    config (``task`` or ``tasks.1``)."""
+    for key in options if isinstance(options, dict) else ():
+        if key in _OWN:
+            return f"{where}.options {key} {_OWN[key].format(w=where)}"
+        if key == "team" and kind == "coop":
+            return (f"{where}.options team is set by marft from team.agents (the whole team, in acting order); "
+                    f"remove it from {where}.options")
+        if key in _OWN_BY_KIND.get(kind, ()):
+            only = f" (task.options of the {kind} task takes only instruction)" if kind in ("dataset", "workflow") else ""
+            return f"{where}.options {key} is a key of its own: set {where}.{key} instead{only}"
+    return None
 
 
 def make_env_factory(kind: str, agents: list[str], answering: list[str], horizon: int, name: str,
@@ -42,6 +67,9 @@ def make_env_factory(kind: str, agents: list[str], answering: list[str], horizon
     ``agents`` is a part of it (an ablation): a coop task still deals every agent's part. One environment is built and reset on both splits
     here, so a missing file, an unknown dataset or a bad option fails now with a :class:`UserError`.
     """
+    clash = option_clash(kind, options)
+    if clash:
+        raise UserError(clash)
     if kind == "reasoning_gym":
         from marft.envs.gym import ReasoningGymEnv
         cls, kwargs = ReasoningGymEnv, {"name": name, **options}
@@ -59,10 +87,6 @@ def make_env_factory(kind: str, agents: list[str], answering: list[str], horizon
             from marft.envs.dataset import DatasetEnv as cls
         else:
             from marft.workflow import WorkflowEnv as cls
-        clash = [k for k in options if k in DATASET_KEYS]
-        if clash:
-            raise UserError(f"task.options {clash[0]} is a key of its own: set task.{clash[0]} instead "
-                            f"(task.options of the {kind} task takes only instruction)")
         kwargs = {**(dataset or {}), **options}
     elif kind == "custom":
         from marft.envs.check import load_env_class

@@ -213,17 +213,32 @@ def import_user_module(module_name: str, prefix: str):
             module = importlib.util.module_from_spec(loader)
             sys.modules[name] = module  # dataclasses and pickling look the module up here
             loader.loader.exec_module(module)
-        except Exception as e:  # noqa: BLE001 - any failure in the user's module
+        except KeyboardInterrupt:
             sys.modules.pop(name, None)
-            raise UserError(f"cannot import module {module_name!r}: {_name(e)}: {e}") from e
+            raise
+        except BaseException as e:  # noqa: BLE001 - any failure in the user's module, sys.exit() too
+            sys.modules.pop(name, None)
+            raise UserError(_import_failed(module_name, e)) from e
         return module
     cwd = os.getcwd()
     if cwd not in sys.path and "" not in sys.path:  # the console script's path lacks the working directory
         sys.path.append(cwd)  # after the installed packages: a local file never shadows one
     try:
         return importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001
-        raise UserError(f"cannot import module {module_name!r}: {_name(e)}: {e}") from e
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - sys.exit() in the module too
+        raise UserError(_import_failed(module_name, e)) from e
+
+
+def _import_failed(module_name: str, e: BaseException) -> str:
+    """The line for a user's module whose import raised ``e`` (a ``SystemExit`` says so: a script
+    that exits when imported)."""
+    if isinstance(e, SystemExit):
+        code = "" if e.code is None else repr(e.code)
+        return (f"cannot import module {module_name!r}: it called sys.exit({code}) while being imported; "
+                "put the code that runs it as a script under if __name__ == '__main__':")
+    return f"cannot import module {module_name!r}: {_name(e)}: {' '.join(str(e).split())}"
 
 
 def main_check(spec: str, options: dict) -> int:

@@ -296,6 +296,13 @@ class CodeEnv(TurnBasedEnv):
                  timeout_s: float = 10.0, test_timeout_s: float = 5.0, memory_mb: int = 1024, workers: int = 0,
                  feedback_chars: int = 500):
         super().__init__(agents, answering, horizon)
+        for key, v in (("timeout_s", timeout_s), ("test_timeout_s", test_timeout_s)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 86400:  # NaN fails too
+                raise UserError(f"task option {key} must be a number of seconds, more than 0 and at most 86400 "
+                                f"(a day), got {v!r}")
+        for key, v, least in (("memory_mb", memory_mb, 1), ("workers", workers, 0), ("feedback_chars", feedback_chars, 0)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise UserError(f"task option {key} must be a whole number, at least {least}, got {v!r}")
         if reward not in ("all", "fraction"):
             raise UserError(f"task option reward={reward!r}: expected 'all' (every test passes) or 'fraction'")
         if name == "mbpp":

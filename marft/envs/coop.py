@@ -89,6 +89,9 @@ class CoopEnv(TurnBasedEnv):
         held = min(len(vocab) - 1, max(1, round(test_share * len(vocab))))
         self.vocab = {"train": list(vocab[:-held]), "test": list(vocab[-held:])}
         rows = entries * (len(self.team) - 1)
+        if name == "lookup" and entries < 1:
+            raise UserError(f"coop task option entries must be at least 1 (code-table rows each holding agent gets), "
+                            f"got {entries}")
         if name == "lookup" and not 1 <= rows <= held:
             raise UserError(f"coop lookup: entries x holding agents = {rows} table rows, but the held-out split has "
                             f"{held} code words (test_share {test_share}); use fewer entries or a larger test_share")
