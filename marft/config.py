@@ -286,7 +286,9 @@ class TrainConfig:
     kl_coef: float = 0.0
     """Weight of the k3 KL penalty to the reference policy (the base model); 0 = off."""
     target_kl: float = 0.0
-    """Stop an agent's update for this iteration when its approximate KL exceeds this; 0 = off."""
+    """Stop an agent's update for this iteration when its approximate KL exceeds this; 0 = off. At
+    action level the ratio is the whole reply's (its log-probabilities summed, ``logprob``), so this
+    KL is per reply, not per token: a per-token threshold such as 0.02 would stop nearly every update."""
     max_grad_norm: float = 0.5
     normalize_advantages: bool = True
     logprob: str = "sum"
@@ -547,6 +549,8 @@ def _build(tp: Any, value: Any, where: str) -> Any:
         return str(value)
     if tp is str and value is None:
         return ""
+    if tp is int and isinstance(value, float) and value.is_integer():  # 2.0 (older run folders wrote some so)
+        return int(value)
     if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
         raise UserError(f"config: {where} must be {_type_name(tp)}, got {value!r}")
     return value

@@ -249,3 +249,10 @@ def test_code_task_limits_must_be_finite_and_bounded():
                                 f"(a day), got {v!r}")
     with pytest.raises(UserError, match=r"^task option memory_mb must be a whole number, at least 1, got 0$"):
         CodeEnv(["coder"], ["coder"], name="humaneval", memory_mb=0)
+
+
+def test_a_whole_float_is_taken_for_an_integer_and_a_fraction_is_not():
+    # older run folders wrote rollout.vllm.kv_cache_gb: 2.0; their config.yaml must still load
+    assert load_config("configs/duo_arithmetic.yaml", ["rollout.vllm.kv_cache_gb=2.0"]).rollout.vllm.kv_cache_gb == 2
+    with pytest.raises(UserError, match="kv_cache_gb must be an integer, got 2.5"):
+        load_config("configs/duo_arithmetic.yaml", ["rollout.vllm.kv_cache_gb=2.5"])
