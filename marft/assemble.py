@@ -98,6 +98,19 @@ def make_dir(path: Path, key: str) -> Path:
     return path
 
 
+def config_file(path: str, command: str) -> str:
+    """``path``, the config file of ``marft COMMAND``; a folder is a one-line error saying what to
+    give instead (a run folder's own config, or ``--resume``)."""
+    p = Path(path)
+    if not p.is_dir():
+        return path  # a missing file or a bad one: load_config says so
+    hint = ""
+    if (p / "config.yaml").is_file():
+        hint = (f" (a run folder: continue it with marft train --resume {p})" if command == "train" else
+                f" (a run folder: marft {command} {p / 'config.yaml'} --adapters {p} uses its config and trained adapters)")
+    raise UserError(f"config file {p} is a folder; give the path of a YAML file such as configs/duo_arithmetic.yaml{hint}")
+
+
 def output_file(path: Path, key: str) -> Path:
     """Check, before any work, that a result can be written to the file ``path`` (config key
     ``key``): its folder is created, and ``path`` is not itself a folder."""

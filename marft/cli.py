@@ -122,7 +122,7 @@ def cmd_eval(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .api import adapters_folder, evaluate
-    from .assemble import output_file, task_label
+    from .assemble import config_file, output_file, task_label
     from .config import load_config
     from .evaluation import format_table, write_json
 
@@ -165,7 +165,7 @@ def cmd_serve(args) -> int:
     import threading
 
     from .api import adapters_folder, team_server
-    from .assemble import prepare
+    from .assemble import config_file, prepare
     from .config import load_config
 
     cfg = load_config(config_file(args.config, "serve"), args.overrides)
@@ -204,19 +204,6 @@ def cmd_env_check(args) -> int:
     options = dict(_split_override(o, "env-check option", "seed=1") for o in args.options)
     return main_check(args.env, options)
 
-
-
-def config_file(path: str, command: str) -> str:
-    """``path``, the config file of ``marft COMMAND``; a folder is a one-line error saying what to
-    give instead (a run folder's own config, or ``--resume``)."""
-    p = Path(path)
-    if not p.is_dir():
-        return path  # a missing file or a bad one: load_config says so
-    hint = ""
-    if (p / "config.yaml").is_file():
-        hint = (f" (a run folder: continue it with marft train --resume {p})" if command == "train" else
-                f" (a run folder: marft {command} {p / 'config.yaml'} --adapters {p} uses its config and trained adapters)")
-    raise UserError(f"config file {p} is a folder; give the path of a YAML file such as configs/duo_arithmetic.yaml{hint}")
 
 
 def _task_text(cfg) -> str:

@@ -26,8 +26,7 @@ def cmd_train(args) -> int:
     def log(message: str) -> None:
         console.print(message, markup=False, highlight=False)
 
-    from .assemble import check_new_run_dir
-    from .cli import config_file
+    from .assemble import check_new_run_dir, config_file
 
     if args.resume:
         given = args.config if args.config and "=" not in args.config else None
