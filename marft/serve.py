@@ -166,11 +166,16 @@ class TeamServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}/v1"
+        return f"{self._origin}/v1"
+
+    @property
+    def _origin(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 address: http://[::1]:8000
+        return f"http://{host}:{self.port}"
 
     def base_url(self, episode: str | int) -> str:
         """The base URL whose calls are recorded under ``episode``."""
-        return f"http://{self.host}:{self.port}/episodes/{episode}/v1"
+        return f"{self._origin}/episodes/{episode}/v1"
 
     def calls(self, episode: str | int = "default") -> list[Call]:
         """The calls recorded for ``episode``, in the order they were made."""

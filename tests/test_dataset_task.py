@@ -438,3 +438,13 @@ def test_team_learns_a_dataset_task(tiny_model_dir, vowel_env_path, tmp_path):
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
     assert last >= first + 0.25, rewards
     assert curves[0] == curves[1], curves
+
+
+def test_a_reward_function_that_calls_sys_exit_is_one_line():
+    import sys as _sys
+
+    from marft.envs.dataset import score_reply
+    from marft.errors import UserError
+
+    with pytest.raises(UserError, match="task.reward r.py:f raised SystemExit"):
+        score_reply(lambda reply, record: _sys.exit(3), "r.py:f", "x", {}, "problem 0")

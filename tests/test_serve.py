@@ -228,3 +228,12 @@ def test_marft_serve_with_a_bad_host_is_one_line(tiny_model_dir, tmp_path):
     lines = got.stderr.splitlines()
     assert got.returncode == 2 and not any(line.startswith("ERROR") for line in lines), got.stderr
     assert lines[-1].startswith("marft: error: cannot serve on 256.1.1.1:0: 256.1.1.1 is not a valid address"), lines
+
+
+def test_urls_bracket_an_ipv6_host():
+    from types import SimpleNamespace
+
+    from marft.serve import TeamServer
+    origin = TeamServer._origin.fget
+    assert origin(SimpleNamespace(host="::1", port=8000)) == "http://[::1]:8000"
+    assert origin(SimpleNamespace(host="127.0.0.1", port=8000)) == "http://127.0.0.1:8000"

@@ -293,7 +293,7 @@ def score_reply(fn: Callable, spec: str, reply: str, record: dict, where: str, a
     accepted too and returned as ``{agent: float}``."""
     try:
         value = fn(reply, record)
-    except Exception as e:  # noqa: BLE001 - the user's function
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's function (sys.exit() in it too)
         raise UserError(f"task.reward {spec} raised {_one_line(e)} on {where}") from e
     if agents is not None and isinstance(value, dict):
         unknown = [k for k in value if k not in agents]
