@@ -352,7 +352,9 @@ class MarftTrainer:
                 write_json(result.final, run_dir / "eval_final.json")
             else:
                 result.final = self._run_eval("final", trackers)
-            if cfg.eval.ablate:
+            if cfg.eval.ablate and not cfg.tasks and cfg.task.kind == "workflow":
+                self._log("eval.ablate: not for a workflow task (the program decides whom it calls)")
+            elif cfg.eval.ablate:
                 read = [a.name for a in self.team.agents if any(a.name in b.sees for b in self.team.agents)]
                 groups = [(a,) for a in read]
                 graded = self.team.answering[-1]
@@ -373,8 +375,9 @@ class MarftTrainer:
         lo, hi = res["ci95"]
         per_task = "".join(f", {task} {100 * r['accuracy']:.1f}%" for task, r in (res.get("tasks") or {}).items())
         mean = " (macro mean over tasks)" if per_task else ""
+        failed = f", {res['failed_episodes']} episodes failed (counted unsolved)" if res.get("failed_episodes") else ""
         self._log(f"eval {tag}: accuracy{mean} {100 * res['accuracy']:.1f}% (95% CI {100 * lo:.1f}-{100 * hi:.1f}){per_task}, "
-                  f"{res['problems']}x{res['samples']} problems, {time.perf_counter() - t0:.0f} s")
+                  f"{res['problems']}x{res['samples']} problems{failed}, {time.perf_counter() - t0:.0f} s")
         for cb in self.callbacks:
             _call(cb, "on_evaluate", self, tag, res)
         return res

@@ -597,6 +597,9 @@ def validate(cfg: RunConfig) -> None:
         _validate_task(t, where)
     if cfg.tasks:
         _validate_mixture(cfg.tasks)
+    _check(cfg.tasks or cfg.task.kind != "workflow" or not e.without,
+           "eval.without removes agents from the team's own turns, but a workflow (task.kind workflow) calls "
+           "whom it likes: leave it out (or give your program a way to skip the agent)")
     tr = cfg.train
     from .algorithms import ALGORITHMS
 

@@ -26,7 +26,9 @@ keeps all of them in one.
 
 Sampling settings a request carries are honoured within the run's limits: ``max_tokens`` (or
 ``max_completion_tokens``) at most the agent's reply limit (larger values are cut to it),
-``temperature`` 0-2, ``top_p`` in (0, 1]; everything else is the run's. Errors are OpenAI-shaped
+``temperature`` 0-2, ``top_p`` in (0, 1] (not in a workflow's rollouts, ``fixed_sampling``: there
+the run's temperature and top_p, which the learner's log-probabilities assume, with one warning);
+everything else is the run's. Errors are OpenAI-shaped
 JSON (``{"error": {"message", "type", "param", "code"}}``) with a 4xx status, never a crash of the
 run: a wrong or missing key (401), an unknown model or path (404), a wrong method (405), a malformed
 body, ``stream: true`` (not supported), ``n`` other than 1 or a prompt longer than the model's
@@ -51,7 +53,7 @@ from typing import Callable
 import torch
 
 from .errors import UserError
-from .generation import Sampling
+from .generation import Sampling, _warn_once
 
 
 @dataclass
@@ -106,8 +108,11 @@ class TeamServer:
     def __init__(self, team, engine, sampling: Sampling, tokenizer: Callable, context: Callable[[str], int],
                  api_key: str | None = None, host: str = "127.0.0.1", port: int = 0, seed: int = 0,
                  ready: Callable[[int], bool] | None = None, wait_s: float = 0.02, patience_s: float = 5.0,
-                 owns_engine: bool = False):
+                 owns_engine: bool = False, fixed_sampling: bool = False):
         self.team, self.engine, self.sampling = team, engine, sampling
+        # a workflow's rollouts: the run's temperature and top_p whatever a request asks (the learner's
+        # log-probabilities are the policy at the run's temperature; samples from another are off-policy)
+        self.fixed_sampling = fixed_sampling
         self.owns_engine = owns_engine  # stop() closes the engine too
         self.tokenizer, self.context = tokenizer, context
         self.api_key = api_key or "sk-marft-" + secrets.token_hex(16)
@@ -361,6 +366,12 @@ class TeamServer:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi or (key == "top_p" and v == 0):
                 raise _Refused(400, f"{key} must be a number in {'(0, 1]' if key == 'top_p' else '[0, 2]'}, got {v!r}",
                                param=key)
+            if self.fixed_sampling:
+                if float(v) != getattr(s, name):
+                    _warn_once(f"warning: the workflow asks for {key}={v}; its episodes sample at the run's temperature "
+                               f"{s.temperature} and top_p {s.top_p}, which training assumes (a request's temperature and "
+                               "top_p are ignored in a run; marft serve honours them)")
+                continue
             s = replace(s, **{name: float(v)})
         return s
 

@@ -160,8 +160,13 @@ class Trainer:
         if self.algo.grouped:
             keep = keep.view(-1, self.cfg.train.group_size).all(1, keepdim=True).expand(-1, self.cfg.train.group_size).flatten()
         if not keep.any():
+            workflow = self.cfg.task.kind == "workflow" and not self.cfg.tasks
+            fix = ("fix the workflow or its reward" if workflow else
+                   "fix the environment or its reward (check it with marft env-check)")
+            again = ("then marft train --resume" if latest_checkpoint(self.run_dir) is not None else
+                     "then start the run again with another output_dir= (no checkpoint to resume from yet)")
             raise UserError(f"every episode of iteration {self.iteration + 1} failed in the environment (first: {errors[0]}); "
-                            "fix the environment or its reward (check it with marft env-check), then marft train --resume")
+                            f"{fix}, {again}")
         self.log(f"warning: {failed} of {len(keep)} episodes failed in the environment at iteration {self.iteration + 1} "
                  f"and are left out of the update (first: {errors[0]})")
         return out.select(keep), failed

@@ -37,6 +37,14 @@ from .errors import UserError
 from .turns import Rollout, Turn
 
 
+def answer_text(answer) -> str:
+    """What a workflow returned, as the text its task grades: a string as it is, None (nothing
+    returned) as no answer (not the text "None"), anything else as ``str(answer)`` (42 -> "42")."""
+    if answer is None:
+        return ""
+    return answer if isinstance(answer, str) else str(answer)
+
+
 class WorkflowEnv(DatasetEnv):
     """``task.kind: workflow``: the problems and the reward of a data set task (:class:`DatasetEnv`:
     ``task.dataset``, ``task.reward``, ...), played by the user's ``workflow`` (``task.workflow``,
@@ -104,9 +112,9 @@ def workflow_rollout(team, engine, envs: list[WorkflowEnv], resets: list, sampli
         raise UserError(f"task.kind workflow needs an engine with the team's models (hf or vllm), not {engine.name}")
 
     def grade(answer, problem):
-        return envs[problem["_episode"]].score_answer(answer if isinstance(answer, str) else str(answer))
+        return envs[problem["_episode"]].score_answer(answer_text(answer))
 
-    with serve_team(models, team, engine, sampling) as server:
+    with serve_team(models, team, engine, sampling, fixed_sampling=True) as server:
         server.generator = generator if generator is not None else server.generator
         out = play_workflows(team, server, envs[0].workflow_fn, problems, grade, timeout_s, envs[0].success_threshold)
         out.gen_seconds, out.gen_flops = server.gen_seconds, server.gen_flops

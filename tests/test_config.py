@@ -256,3 +256,9 @@ def test_a_whole_float_is_taken_for_an_integer_and_a_fraction_is_not():
     assert load_config("configs/duo_arithmetic.yaml", ["rollout.vllm.kv_cache_gb=2.0"]).rollout.vllm.kv_cache_gb == 2
     with pytest.raises(UserError, match="kv_cache_gb must be an integer, got 2.5"):
         load_config("configs/duo_arithmetic.yaml", ["rollout.vllm.kv_cache_gb=2.5"])
+
+
+def test_ablation_is_refused_for_a_workflow():
+    with pytest.raises(UserError, match="a workflow .task.kind workflow. calls whom it likes"):
+        load_config("configs/workflow_duo.yaml", ["eval.without=[planner]"])
+    load_config("configs/workflow_duo.yaml", ["eval.ablate=true"])  # a default of other configs: skipped, saying so

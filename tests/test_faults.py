@@ -187,6 +187,7 @@ def test_every_episode_failing_stops_the_run_and_keeps_the_checkpoint(tiny_model
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("marft: error: every episode of iteration 2 failed in the environment")
     assert "reward function broke" in err[-1] and "Traceback" not in "\n".join(err)
+    assert err[-1].endswith("check it with marft env-check), then marft train --resume")
     assert latest_checkpoint(run) == ckpt
     assert digest == {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in ckpt.rglob("*") if p.is_file()}
 
@@ -210,3 +211,12 @@ def test_env_timeout_is_validated(tiny_model_dir, env_file, tmp_path, capsys):
     over = overrides(tiny_model_dir, env_file, tmp_path, extra=["rollout.env_timeout_s=0"])
     assert main(["eval", "configs/duo_arithmetic.yaml", *over]) == 2
     assert "rollout.env_timeout_s must be positive" in capsys.readouterr().err
+
+
+def test_every_episode_failing_before_a_checkpoint_says_to_start_again(tiny_model_dir, env_file, tmp_path, capsys):
+    # at iteration 1 there is nothing to resume: the message says to start again elsewhere, not --resume
+    bad = overrides(tiny_model_dir, env_file, tmp_path, options="{all_raise: true}", extra=["eval.problems=2", "eval.before=false"])
+    assert main(["train", "configs/duo_arithmetic.yaml", *bad, "train.iterations=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("marft: error: every episode of iteration 1 failed in the environment")
+    assert err[-1].endswith("then start the run again with another output_dir= (no checkpoint to resume from yet)")

@@ -237,3 +237,19 @@ def test_urls_bracket_an_ipv6_host():
     origin = TeamServer._origin.fget
     assert origin(SimpleNamespace(host="::1", port=8000)) == "http://[::1]:8000"
     assert origin(SimpleNamespace(host="127.0.0.1", port=8000)) == "http://127.0.0.1:8000"
+
+
+def test_a_runs_rollouts_sample_at_the_runs_temperature_whatever_a_request_asks(capsys):
+    # in a workflow's rollouts (fixed_sampling) the learner assumes the run's temperature: a request's
+    # temperature and top_p are ignored there, with a warning; marft serve honours them
+    from types import SimpleNamespace
+
+    from marft.serve import TeamServer
+    stub = lambda fixed: SimpleNamespace(team={"solver": SimpleNamespace(max_new_tokens=0)},  # noqa: E731
+                                         sampling=Sampling(1.0, 1.0, 0, 16), fixed_sampling=fixed)
+    body = {"temperature": 0.2, "top_p": 0.5, "max_tokens": 4}
+    served = TeamServer._sampling(stub(False), "solver", body)
+    assert (served.temperature, served.top_p, served.max_new_tokens) == (0.2, 0.5, 4)
+    run = TeamServer._sampling(stub(True), "solver", body)
+    assert (run.temperature, run.top_p, run.max_new_tokens) == (1.0, 1.0, 4)
+    assert "the workflow asks for temperature=0.2" in capsys.readouterr().err

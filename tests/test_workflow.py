@@ -348,16 +348,19 @@ def _eval_workflow(tmp_path, tiny_model_dir, source, name, capsys):
 
 
 @pytest.mark.parametrize("config", ["workflow_duo", "workflow_loop"])
-def test_the_shipped_workflow_examples_train_on_the_tiny_model(config, tiny_overrides, tmp_path):
+def test_the_shipped_workflow_examples_train_on_the_tiny_model(config, tiny_overrides, tmp_path, capsys):
     """examples/duo_workflow.py, and examples/loop_workflow.py (two planner calls at once, then the
-    solver until its answer is boxed; it imports its neighbour duo_workflow.py)."""
+    solver until its answer is boxed; it imports its neighbour duo_workflow.py); eval.ablate is
+    skipped for a workflow, saying so."""
     import json
 
     from marft.cli import main
 
     run = tmp_path / "wf"
     assert main(["train", f"configs/{config}.yaml", *tiny_overrides, "train.iterations=1", "train.eval_every=0",
-                 "eval.problems=2", "eval.samples=1", f"output_dir={run}"]) == 0
+                 "eval.problems=2", "eval.samples=1", "eval.ablate=true", f"output_dir={run}"]) == 0
+    assert "eval.ablate: not for a workflow task" in capsys.readouterr().err
+    assert not list(run.glob("eval_final_without_*.json"))
     m = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert m["episodes/failed"] == 0 and {"planner/entropy", "solver/entropy"} <= set(m)
     assert json.loads((run / "eval_final.json").read_text())["problems"] == 2
@@ -500,3 +503,10 @@ def test_a_workflow_reward_may_give_each_agent_its_own(tiny_overrides, tmp_path)
     assert "rewards for ['critic']" in out.infos[1]["error"]
     kept = ~out.failed
     assert out.agent_rewards[kept, 0].tolist() == [[0.0, 1.0]] * 3 and out.rewards[kept, 0].tolist() == [0.5] * 3
+
+
+def test_a_workflows_return_value_is_the_graded_text():
+    from marft.workflow import answer_text
+    assert answer_text("The answer is 7") == "The answer is 7"
+    assert answer_text(42) == "42"
+    assert answer_text(None) == ""  # nothing returned: no answer (it was graded as the text "None")
