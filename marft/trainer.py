@@ -142,11 +142,14 @@ class Trainer:
             **self._degenerate_stats(out),
             **self._task_stats(out),
         }
+        episodes = max(len(out.steps), 1)
         for agent in self.team.names:
             rows = [t for t in out.turns if t.agent == agent]
-            lens = torch.cat([t.response_mask.sum(1).float() for t in rows])
-            metrics[f"{agent}/reply_tokens"] = float(lens.mean())
-            metrics[f"{agent}/truncated"] = float(torch.cat([t.truncated.float() for t in rows]).mean())
+            calls = sum(len(t.episodes) for t in rows)
+            metrics[f"{agent}/calls"] = calls / episodes  # per episode (an agent program decides how many)
+            if calls:  # an agent program may call an agent in no episode of a batch
+                metrics[f"{agent}/reply_tokens"] = float(torch.cat([t.response_mask.sum(1).float() for t in rows]).mean())
+                metrics[f"{agent}/truncated"] = float(torch.cat([t.truncated.float() for t in rows]).mean())
         return metrics
 
     def _without_failed(self, out: Rollout) -> tuple[Rollout, int]:
@@ -238,6 +241,8 @@ class Trainer:
         stats = {}
         for key, head in self.heads.items():
             idx = [i for i, t in enumerate(out.turns) if key in ("team", t.agent)]
+            if not idx:  # an agent an agent program did not call in this batch: nothing to fit
+                continue
             if self.token_level:
                 feats = torch.cat([targets[i].features.flatten(0, 1) for i in idx])
                 old = torch.cat([targets[i].values.flatten() for i in idx])

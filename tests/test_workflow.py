@@ -510,3 +510,28 @@ def test_a_workflows_return_value_is_the_graded_text():
     assert answer_text("The answer is 7") == "The answer is 7"
     assert answer_text(42) == "42"
     assert answer_text(None) == ""  # nothing returned: no answer (it was graded as the text "None")
+
+
+@pytest.mark.parametrize("algorithm", ["marft", "ippo", "marft-token", "dr-mas"])
+def test_a_workflow_that_never_calls_an_agent_trains_the_others(algorithm, tiny_model_dir, tmp_path):
+    # the solver alone: the planner has no call in the batch (its metrics said nothing; reply_tokens raised)
+    import json
+
+    from test_dataset_task import REWARDS, records, write_jsonl
+    from marft.cli import main
+
+    data = write_jsonl(tmp_path / "sums.jsonl", records(20))
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    (tmp_path / "solo.py").write_text(
+        "def run(problem, client):\n"
+        "    return client.chat.completions.create(model='solver', messages=[{'role': 'user', 'content': "
+        "problem['prompt']}]).choices[0].message.content\n")
+    run = tmp_path / "run"
+    assert main(["train", "configs/duo_arithmetic.yaml", f"model.name={tiny_model_dir}", "model.dtype=float32",
+                 "model.device=cpu", "rollout.max_new_tokens=4", "rollout.episodes=4", "team.max_new_tokens={}",
+                 "train.iterations=1", "train.minibatch_size=4", "eval.problems=2", "eval.ablate=false",
+                 "eval.before=false", "task.kind=workflow", f"task.workflow={tmp_path / 'solo.py'}:run",
+                 f"task.dataset={data}", f"task.reward={tmp_path / 'rewards.py'}:flag", "task.options={}",
+                 f"train.algorithm={algorithm}", f"output_dir={run}"]) == 0
+    m = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert m["planner/calls"] == 0 and m["solver/calls"] == 1 and "planner/reply_tokens" not in m
