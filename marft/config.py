@@ -52,6 +52,12 @@ class ModelConfig:
     device: str = "auto"
     """``auto`` (first GPU, else CPU), ``cpu``, ``cuda``, ``cuda:1`` ..."""
     lora: LoraSettings = field(default_factory=LoraSettings)
+    init_adapters: dict = field(default_factory=dict)
+    """Adapters that start from trained weights instead of LoRA's zero update: adapter name ->
+    an adapter folder in PEFT's format (``runs/duo/checkpoints/iter_000050/adapters/solver``, or an
+    SFT adapter; the same ``model.lora`` settings). Adapters not named start fresh; a resumed run
+    continues from its checkpoint. ``{speaker1: .../speaker, speaker2: .../solver}`` starts a
+    longer team from a shorter one's roles."""
     cache_dir: str = ""
     """Where converted models are kept; empty: ``$MARFT_CACHE`` or ``~/.cache/marft``."""
 
@@ -565,6 +571,9 @@ def validate(cfg: RunConfig) -> None:
     """Range and consistency checks that types alone do not catch."""
     lo = cfg.model.lora
     _check(lo.r >= 1, f"model.lora.r must be at least 1, got {lo.r}")
+    bad = [(k, v) for k, v in cfg.model.init_adapters.items() if not (isinstance(v, str) and v.strip())]
+    _check(not bad, f"model.init_adapters maps adapter names to adapter folders, e.g. "
+                    f"{{solver: runs/duo/checkpoints/iter_000050/adapters/solver}}; got {bad[0][0]}: {bad[0][1]!r}" if bad else "")
     _check(lo.alpha > 0, f"model.lora.alpha must be positive, got {lo.alpha}")
     _check(0 <= lo.dropout < 1, f"model.lora.dropout must be in [0, 1), got {lo.dropout}")
     _check(bool(lo.target_modules), "model.lora.target_modules must name at least one layer, e.g. [q_proj, v_proj]")

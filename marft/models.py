@@ -264,6 +264,13 @@ class TeamModel:
             peft.eval()
             for name, p in peft.named_parameters():
                 p.requires_grad_(False)
+        init = dict(getattr(model_cfg, "init_adapters", None) or {})
+        unknown = [a for a in init if a not in self.base_of]
+        if unknown:
+            raise UserError(f"config: model.init_adapters names adapter {unknown[0]!r}, which the team does not have "
+                            f"(its adapters: {', '.join(self.base_of)})")
+        for adapter, folder in init.items():  # a new run's adapters from trained weights
+            self.load_adapter(adapter, folder)
 
     def for_agent(self, name: str):
         """(peft_model, tokenizer, adapter_name) of an agent; the adapter is not yet activated."""
@@ -352,37 +359,47 @@ class TeamModel:
 
     def load_adapters(self, directory: str | Path) -> None:
         """Load ``directory/<adapter>/`` for every adapter of the team (PEFT format)."""
-        from peft import set_peft_model_state_dict
-        from peft.utils import load_peft_weights
-
         directory = Path(directory)
         if not directory.is_dir():
             raise UserError(f"adapters folder {directory} not found; give the folder a training run saved (it holds one subfolder per adapter)")
         if not any((p / "adapter_config.json").is_file() for p in directory.iterdir() if p.is_dir()):
             raise UserError(f"{directory} holds no adapters (no subfolder with an adapter_config.json); give a checkpoint's "
                             "adapters/ folder, a checkpoint or a run folder")
-        for adapter, base in self.base_of.items():
+        for adapter in self.base_of:
             sub = directory / adapter
             if sub.is_dir() and not (sub / "adapter_config.json").is_file():
                 raise UserError(f"adapter {adapter!r} in {sub} has no adapter_config.json; the adapter is incomplete: "
                                 "replace it or use an earlier checkpoint")
             if not (sub / "adapter_config.json").is_file():
                 raise UserError(f"adapters folder {directory} has no adapter {adapter!r} (expected {directory / adapter}/adapter_model.safetensors); was it trained for another team?")
-            try:
-                weights = load_peft_weights(str(sub), device=str(next(self.bases[base].parameters()).device))
-            except Exception as e:  # noqa: BLE001 - a truncated or corrupt weights file
-                raise UserError(f"adapter {adapter!r} in {sub} cannot be read ({type(e).__name__}: "
-                                f"{' '.join(str(e).split())[:120]}); the file is truncated or corrupt: replace it or use an earlier checkpoint") from None
-            try:
-                result = set_peft_model_state_dict(self.bases[base], weights, adapter_name=adapter)
-            except RuntimeError as e:  # shapes differ: another rank or another model
-                lines = [x.strip() for x in str(e).splitlines() if x.strip()]
-                reason = next((x for x in lines if x.startswith("size mismatch")), lines[0] if lines else "")
-                raise UserError(f"adapter {adapter!r} in {sub} does not fit this model ({reason[:300]}); "
-                                "check model.name and model.lora") from None
-            if getattr(result, "unexpected_keys", None):
-                raise UserError(f"adapter {adapter!r} in {sub} does not fit this model (unexpected weights such as {result.unexpected_keys[0]}); check model.name and model.lora")
-            self._check_lora_settings(adapter, sub)
+            self.load_adapter(adapter, sub)
+
+    def load_adapter(self, adapter: str, sub: str | Path) -> None:
+        """Load the PEFT adapter folder ``sub`` into the team's adapter ``adapter`` (same LoRA
+        settings; a one-line error if it is missing, corrupt or does not fit)."""
+        from peft import set_peft_model_state_dict
+        from peft.utils import load_peft_weights
+
+        sub = Path(sub)
+        if not (sub / "adapter_config.json").is_file():
+            raise UserError(f"adapter folder {sub} for {adapter!r} has no adapter_config.json; give a folder a run saved "
+                            "(checkpoints/iter_NNNNNN/adapters/<adapter>) or another PEFT LoRA adapter")
+        base = self.base_of[adapter]
+        try:
+            weights = load_peft_weights(str(sub), device=str(next(self.bases[base].parameters()).device))
+        except Exception as e:  # noqa: BLE001 - a truncated or corrupt weights file
+            raise UserError(f"adapter {adapter!r} in {sub} cannot be read ({type(e).__name__}: "
+                            f"{' '.join(str(e).split())[:120]}); the file is truncated or corrupt: replace it or use an earlier checkpoint") from None
+        try:
+            result = set_peft_model_state_dict(self.bases[base], weights, adapter_name=adapter)
+        except RuntimeError as e:  # shapes differ: another rank or another model
+            lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+            reason = next((x for x in lines if x.startswith("size mismatch")), lines[0] if lines else "")
+            raise UserError(f"adapter {adapter!r} in {sub} does not fit this model ({reason[:300]}); "
+                            "check model.name and model.lora") from None
+        if getattr(result, "unexpected_keys", None):
+            raise UserError(f"adapter {adapter!r} in {sub} does not fit this model (unexpected weights such as {result.unexpected_keys[0]}); check model.name and model.lora")
+        self._check_lora_settings(adapter, sub)
 
     # the LoRA settings an adapter is saved with (adapter_config.json) -> marft's config key
     _LORA_KEYS = {"r": "r", "lora_alpha": "alpha", "target_modules": "target_modules"}
