@@ -202,3 +202,31 @@ def test_relay_asks_each_later_speaker_for_the_running_total():
     assert _episode(plain, seed=3)["speaker1"] == obs["speaker1"] and env.state() == plain.state()
     assert "so far" not in _episode(plain, seed=3)["speaker2"]
     assert _episode(CoopEnv(*DUO, name="sum", relay=True), seed=3) == _episode(CoopEnv(*DUO, name="sum"), seed=3)
+
+
+def test_the_relay_trio_starts_from_a_trained_duo(tiny_overrides, tiny_model_dir, tmp_path):
+    """configs/coop_trio_relay_from_duo.yaml: the duo trains first; the trio's adapters start from its
+    roles (speaker1 from the speaker, speaker2 and the solver from the solver)."""
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import load_file
+
+    from test_rollout import make
+    from marft.cli import main
+    from marft.config import load_config
+
+    configs = Path(__file__).parents[1] / "configs"
+    duo = tmp_path / "duo"
+    assert main(["train", str(configs / "coop_duo_sum.yaml"), *tiny_overrides, "train.iterations=1", "train.eval_every=0",
+                 "eval.problems=2", "eval.before=false", "eval.ablate=false", f"output_dir={duo}"]) == 0
+    shipped = load_config(configs / "coop_trio_relay_from_duo.yaml").model.init_adapters
+    roles = {a: Path(p).name for a, p in shipped.items()}
+    assert roles == {"speaker1": "speaker", "speaker2": "solver", "solver": "solver"}
+    adapters = duo / "checkpoints" / "iter_000001" / "adapters"
+    init = "{" + ", ".join(f"{a}: {adapters / r}" for a, r in roles.items()) + "}"
+    _, _, trio = make(["team.preset=coop3", f"model.init_adapters={init}"], tiny_model_dir)
+    for a, r in roles.items():
+        want, got = load_file(str(adapters / r / "adapter_model.safetensors")), trio.adapter_state(a)
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+        assert any(v.any() for k, v in want.items() if "lora_B" in k)  # trained: not LoRA's zero start
