@@ -157,8 +157,6 @@ def adapters_folder(source: str | Path) -> Path:
     from .checkpoints import latest_checkpoint, no_checkpoint_reason
 
     p = Path(source)
-    if p.exists() and not p.is_dir():
-        raise UserError(f"adapters {p} is a file, not a folder; give a checkpoint's adapters/ folder, a checkpoint or a run folder")
     for i, part in enumerate(p.parts):
         head = Path(*p.parts[:i + 1])
         if part == "latest" and head.is_file() and head.parent.name == "checkpoints":
@@ -166,6 +164,8 @@ def adapters_folder(source: str | Path) -> Path:
             if target is not None:
                 p = target.joinpath(*p.parts[i + 1:])
             break
+    if p.exists() and not p.is_dir():  # after resolving checkpoints/latest, which is a file naming a folder
+        raise UserError(f"adapters {source} is a file, not a folder; give a checkpoint's adapters/ folder, a checkpoint or a run folder")
     if (p / "checkpoints").is_dir():
         ckpt = latest_checkpoint(p)
         if ckpt is None:
@@ -225,6 +225,8 @@ class MarftTrainer:
             check_new_run_dir(self.run_dir)  # a new run never overwrites an earlier run's files
             make_dir(self.run_dir, "output_dir")
         self.team, self.models, self.make_env = prepare(cfg)
+        if not _resume:  # a new run's adapters from trained ones (a resumed run has its checkpoint's)
+            self.models.init_adapters(cfg.model.init_adapters)
         make = Trainer
         if cfg.cluster.rollout_workers:  # Ray: rollout workers and learners as actors (docs/scaling.md)
             from .distributed import DistributedTrainer as make
@@ -307,7 +309,7 @@ class MarftTrainer:
         Writes metrics.jsonl, TensorBoard and the trackers of ``log:``; resumes where it stopped."""
         from .evaluation import write_json
         from .trackers import Trackers
-        from .checkpoints import append_metrics, read_metrics, truncate_metrics
+        from .checkpoints import append_metrics, latest_checkpoint, read_metrics, truncate_metrics
 
         cfg, run_dir, resumed = self.config, self.run_dir, self._checkpoint is not None
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -345,6 +347,9 @@ class MarftTrainer:
                     self._run_eval(f"iter_{self.trainer.iteration:06d}", trackers)
             result = TrainResult(run_dir, read_metrics(metrics_path), untrained, None, self._adapters(), stopped=self._stop)
             if self._stop:
+                if latest_checkpoint(run_dir) is None:  # stopped before the first iteration's end (the untrained evaluation)
+                    self.trainer.save()
+                    result.adapters = self._adapters()
                 self._log(f"stopped at iteration {self.trainer.iteration}; continue with: marft train --resume {run_dir}")
                 return result
             if self.trainer.iteration == 0 and (run_dir / "eval_untrained.json").is_file():  # a baseline run

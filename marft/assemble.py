@@ -123,19 +123,22 @@ def output_file(path: Path, key: str) -> Path:
     return path
 
 
-# what marft train writes into its run folder, most valuable first (a new run refuses a folder that
-# holds any of them; a sweep moves those of a failed attempt aside before it starts the run again)
+# what marft train writes into its run folder, most valuable first: a new run refuses a folder that
+# holds any of RUN_FILES (a tracker's files alone, left by a tracker that failed to start before the
+# run wrote anything, do not count); a sweep moves all of them of a failed attempt aside
 RUN_FILES = ("eval_final.json", "metrics.jsonl", "eval_untrained.json", "eval_iter_*.json", "eval_final_without_*.json",
-             "checkpoints", "config.yaml", "machine.json", "tensorboard", "wandb_id", "mlflow_run_id")
+             "checkpoints", "config.yaml", "machine.json")
+TRACKER_FILES = ("tensorboard", "wandb_id", "mlflow_run_id")
 
 
-def earlier_run_files(run_dir: Path) -> list[Path]:
-    """The files and folders of an earlier ``marft train`` run in ``run_dir`` (:data:`RUN_FILES`)."""
+def earlier_run_files(run_dir: Path, trackers: bool = False) -> list[Path]:
+    """The files and folders of an earlier ``marft train`` run in ``run_dir`` (:data:`RUN_FILES`,
+    and with ``trackers`` :data:`TRACKER_FILES`)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
     found: list[Path] = []
-    for pattern in RUN_FILES:
+    for pattern in RUN_FILES + (TRACKER_FILES if trackers else ()):
         for p in sorted(run_dir.glob(pattern)):
             if p.is_dir() and not any(p.iterdir()):
                 continue  # an empty folder holds nothing to lose

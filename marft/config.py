@@ -55,8 +55,9 @@ class ModelConfig:
     init_adapters: dict = field(default_factory=dict)
     """Adapters that start from trained weights instead of LoRA's zero update: adapter name ->
     an adapter folder in PEFT's format (``runs/duo/checkpoints/iter_000050/adapters/solver``, or an
-    SFT adapter; the same ``model.lora`` settings). Adapters not named start fresh; a resumed run
-    continues from its checkpoint. ``{speaker1: .../speaker, speaker2: .../solver}`` starts a
+    SFT adapter; the same ``model.lora`` settings). Adapters not named start fresh. Read when a new
+    run starts only: a resumed run continues from its checkpoint, and ``marft eval``/``serve`` take
+    ``--adapters``. ``{speaker1: .../speaker, speaker2: .../solver}`` starts a
     longer team from a shorter one's roles."""
     cache_dir: str = ""
     """Where converted models are kept; empty: ``$MARFT_CACHE`` or ``~/.cache/marft``."""

@@ -264,13 +264,6 @@ class TeamModel:
             peft.eval()
             for name, p in peft.named_parameters():
                 p.requires_grad_(False)
-        init = dict(getattr(model_cfg, "init_adapters", None) or {})
-        unknown = [a for a in init if a not in self.base_of]
-        if unknown:
-            raise UserError(f"config: model.init_adapters names adapter {unknown[0]!r}, which the team does not have "
-                            f"(its adapters: {', '.join(self.base_of)})")
-        for adapter, folder in init.items():  # a new run's adapters from trained weights
-            self.load_adapter(adapter, folder)
 
     def for_agent(self, name: str):
         """(peft_model, tokenizer, adapter_name) of an agent; the adapter is not yet activated."""
@@ -374,6 +367,15 @@ class TeamModel:
                 raise UserError(f"adapters folder {directory} has no adapter {adapter!r} (expected {directory / adapter}/adapter_model.safetensors); was it trained for another team?")
             self.load_adapter(adapter, sub)
 
+    def init_adapters(self, folders: dict[str, str]) -> None:
+        """``model.init_adapters``: a new run's adapters from trained ones (adapter -> PEFT folder)."""
+        unknown = [a for a in folders if a not in self.base_of]
+        if unknown:
+            raise UserError(f"config: model.init_adapters names adapter {unknown[0]!r}, which the team does not have "
+                            f"(its adapters: {', '.join(self.base_of)})")
+        for adapter, folder in folders.items():
+            self.load_adapter(adapter, folder)
+
     def load_adapter(self, adapter: str, sub: str | Path) -> None:
         """Load the PEFT adapter folder ``sub`` into the team's adapter ``adapter`` (same LoRA
         settings; a one-line error if it is missing, corrupt or does not fit)."""
@@ -384,6 +386,7 @@ class TeamModel:
         if not (sub / "adapter_config.json").is_file():
             raise UserError(f"adapter folder {sub} for {adapter!r} has no adapter_config.json; give a folder a run saved "
                             "(checkpoints/iter_NNNNNN/adapters/<adapter>) or another PEFT LoRA adapter")
+        self._check_lora_settings(adapter, sub)  # before the weights: a refused adapter changes nothing
         base = self.base_of[adapter]
         try:
             weights = load_peft_weights(str(sub), device=str(next(self.bases[base].parameters()).device))
@@ -399,7 +402,6 @@ class TeamModel:
                             "check model.name and model.lora") from None
         if getattr(result, "unexpected_keys", None):
             raise UserError(f"adapter {adapter!r} in {sub} does not fit this model (unexpected weights such as {result.unexpected_keys[0]}); check model.name and model.lora")
-        self._check_lora_settings(adapter, sub)
 
     # the LoRA settings an adapter is saved with (adapter_config.json) -> marft's config key
     _LORA_KEYS = {"r": "r", "lora_alpha": "alpha", "target_modules": "target_modules"}

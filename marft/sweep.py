@@ -341,7 +341,7 @@ def _set_aside(folder: Path) -> Path | None:
     can start afresh there without overwriting them; None if there were none."""
     from .assemble import earlier_run_files
 
-    found = earlier_run_files(folder)
+    found = earlier_run_files(folder, trackers=True)
     if not found:
         return None
     n = 1

@@ -68,7 +68,7 @@ def _check_given_config(given: str, overrides: list[str], run_dir: str) -> None:
     """``marft train CONFIG --resume RUN``: the run continues with its own saved config (and the
     overrides), so CONFIG, with the same overrides, must be that config; a one-line error names
     the first keys where it is not, and how to make the change instead."""
-    from .api import _check_same_run, load_config
+    from .api import _check_same_run, _flatten, load_config
     from .checkpoints import resume_checkpoint
     from .config import to_dict
 
@@ -77,7 +77,11 @@ def _check_given_config(given: str, overrides: list[str], run_dir: str) -> None:
     run_cfg = load_config(saved, overrides, output_dir=str(run_dir))
     cfg = load_config(given, overrides, output_dir=str(run_dir))
     _check_same_run(saved, cfg, ckpt)  # the team, adapters, algorithm and LoRA shape: their own message
-    a, b = _flat(to_dict(run_cfg)), _flat(to_dict(cfg))
+
+    def flat(c) -> dict:  # {"model.lora.r": 8, ...}
+        return dict(kv for k, v in to_dict(c).items() for kv in (_flatten(v, k) if isinstance(v, dict) and v else [(k, v)]))
+
+    a, b = flat(run_cfg), flat(cfg)
     differ = [k for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
     if differ:
         shown = "; ".join(f"{k}: {a.get(k)!r} in the run, {b.get(k)!r} in {given}" for k in differ[:3])
@@ -92,17 +96,6 @@ def _value(v) -> str:
     import yaml
 
     return v if isinstance(v, str) else yaml.safe_dump(v, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out.update(_flat(v, key + "."))
-        else:
-            out[key] = v
-    return out
 
 
 def _print_comparison(run_dir: Path, final: dict, adapters: Path | None = None) -> None:

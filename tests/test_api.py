@@ -219,3 +219,47 @@ def test_training_run_logs_to_mlflow_and_wandb(vowel, tmp_path, monkeypatch):
     assert acc[-1] == (2, pytest.approx(final["accuracy"])) and acc[0][0] == 0  # untrained, then final
     assert client.get_run(run_id).data.params["train.lr"] == "0.01"
     assert len(list(run.glob("wandb/offline-run-*/run-*.wandb"))) == 1
+
+
+def test_stopped_during_the_untrained_evaluation_resumes(vowel, tmp_path):
+    # Ctrl-C while the untrained team is evaluated: a checkpoint of iteration 0, so --resume goes on
+    # (before: no checkpoint, and the folder's config.yaml refused a new run there)
+    class StopAtOnce:
+        def on_evaluate(self, trainer, tag, result):
+            if tag == "untrained":
+                trainer.stop()
+
+    config = marft.load_config(CONFIG, vowel, train={"iterations": 1}, eval={"ablate": False})
+    with marft.MarftTrainer(config, log=None, callbacks=[StopAtOnce()]) as trainer:
+        first = trainer.train()
+    assert first.stopped and latest_checkpoint(first.run_dir).name == "iter_000000" and first.adapters is not None
+    with marft.MarftTrainer.resume(first.run_dir, log=None) as trainer:
+        second = trainer.train()
+    assert not second.stopped and [m["iteration"] for m in second.metrics] == [1] and second.final is not None
+
+
+def test_a_trackers_files_alone_do_not_block_a_new_run(vowel, tmp_path):
+    # a tracker that failed to start (wandb not logged in) left tensorboard/ behind, nothing else
+    from marft.assemble import check_new_run_dir
+    run = tmp_path / "run"
+    (run / "tensorboard").mkdir(parents=True)
+    (run / "tensorboard" / "events.out.tfevents.1").write_bytes(b"x")
+    (run / "wandb_id").write_text("abc")
+    check_new_run_dir(run)  # no error
+    (run / "config.yaml").write_text("seed: 0\n")
+    with pytest.raises(marft.UserError, match="already holds config.yaml of an earlier run"):
+        check_new_run_dir(run)
+
+
+def test_adapters_through_checkpoints_latest(vowel, tmp_path):
+    from marft.api import adapters_folder
+    run = tmp_path / "r"
+    ckpt = run / "checkpoints" / "iter_000002"
+    (ckpt / "adapters" / "solver").mkdir(parents=True)
+    (ckpt / "trainer.pt").write_bytes(b"")
+    (ckpt / "config.yaml").write_text("seed: 0\n")
+    (run / "checkpoints" / "latest").write_text("iter_000002")
+    assert adapters_folder(run / "checkpoints" / "latest") == ckpt / "adapters"
+    assert adapters_folder(run / "checkpoints" / "latest" / "adapters") == ckpt / "adapters"
+    with pytest.raises(marft.UserError, match="is a file, not a folder"):
+        adapters_folder(ckpt / "trainer.pt")

@@ -106,7 +106,7 @@ ROWS = [
     ("adapters-other-team", lambda f: ["eval", CONFIG, *f.tiny, "--adapters", str(f.run / "checkpoints/iter_000001/adapters"),
                                        "team.preset=trio"], "has no adapter 'verifier'"),
     ("adapters-other-rank", lambda f: ["eval", CONFIG, *f.tiny, "model.lora.r=4", "--adapters",
-                                       str(f.run / "checkpoints/iter_000001/adapters")], "does not fit this model (size mismatch"),
+                                       str(f.run / "checkpoints/iter_000001/adapters")], "was trained with other LoRA settings (model.lora.r=8, not 4); set model.lora.r=8 to load it"),
     ("output-dir-is-a-file", lambda f: ["train", CONFIG, *f.tiny, f"output_dir={f.d / 'envs.py'}"], "cannot create the folder"),
     ("engine-vllm-missing", lambda f: ["eval", CONFIG, *f.tiny, "rollout.engine=vllm"],
      "rollout.engine=vllm needs vLLM, which is not installed"),
