@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from .config import RunConfig, load_config as _load_config, save_config, to_dict
+from .config import RunConfig, is_workflow, load_config as _load_config, save_config, to_dict
 from .assemble import (_machine, _num_problems, _quiet_libraries, _record_machine, check_new_run_dir, env_factory, make_dir,
                        output_file, prepare)
 from .errors import UserError
@@ -357,7 +357,7 @@ class MarftTrainer:
                 write_json(result.final, run_dir / "eval_final.json")
             else:
                 result.final = self._run_eval("final", trackers)
-            if cfg.eval.ablate and not cfg.tasks and cfg.task.kind == "workflow":
+            if cfg.eval.ablate and is_workflow(cfg):
                 self._log("eval.ablate: not for a workflow task (the program decides whom it calls)")
             elif cfg.eval.ablate:
                 read = [a.name for a in self.team.agents if any(a.name in b.sees for b in self.team.agents)]

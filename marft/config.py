@@ -607,7 +607,7 @@ def validate(cfg: RunConfig) -> None:
         _validate_task(t, where)
     if cfg.tasks:
         _validate_mixture(cfg.tasks)
-    _check(cfg.tasks or cfg.task.kind != "workflow" or not e.without,
+    _check(not (is_workflow(cfg) and e.without),
            "eval.without removes agents from the team's own turns, but a workflow (task.kind workflow) calls "
            "whom it likes: leave it out (or give your program a way to skip the agent)")
     tr = cfg.train
@@ -687,6 +687,11 @@ def task_label(t: TaskConfig) -> str:
 def task_list(cfg: RunConfig) -> list[TaskConfig]:
     """The run's tasks: the mixture ``tasks``, or the one ``task``."""
     return list(cfg.tasks) or [cfg.task]
+
+
+def is_workflow(cfg: RunConfig) -> bool:
+    """The run trains a user's agent program (``task.kind: workflow``; it cannot be mixed)."""
+    return not cfg.tasks and cfg.task.kind == "workflow"
 
 
 def horizon(cfg: RunConfig) -> int:

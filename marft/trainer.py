@@ -36,7 +36,7 @@ import torch
 from . import flops, losses, packing
 from .algorithms import ALGORITHMS, TargetInputs, TurnTargets
 from .checkpoints import latest_checkpoint, read_state, write_checkpoint
-from .config import RunConfig, horizon, save_config, task_label
+from .config import RunConfig, horizon, is_workflow, save_config, task_label
 from .engines import Engine, make_engine
 from .envs.mixture import draw_tasks, weight_at
 from .errors import UserError
@@ -163,8 +163,7 @@ class Trainer:
         if self.algo.grouped:
             keep = keep.view(-1, self.cfg.train.group_size).all(1, keepdim=True).expand(-1, self.cfg.train.group_size).flatten()
         if not keep.any():
-            workflow = self.cfg.task.kind == "workflow" and not self.cfg.tasks
-            fix = ("fix the workflow or its reward" if workflow else
+            fix = ("fix the workflow or its reward" if is_workflow(self.cfg) else
                    "fix the environment or its reward (check it with marft env-check)")
             again = ("then marft train --resume" if latest_checkpoint(self.run_dir) is not None else
                      "then start the run again with another output_dir= (no checkpoint to resume from yet)")

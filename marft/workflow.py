@@ -12,8 +12,9 @@ called, how often, in which order, with which messages. Its answer is scored by
 From the recorded calls (:func:`calls_to_rollout`), Flex-MG's micro-steps in call order: calls
 fill a step in the team's agent order, and a call to an agent that already acted in the step, or
 comes earlier in the team's order, starts the next step (planner, planner, solver: the planner at
-step 0, then planner and solver at step 1); the last call must be to the team's last agent (the
-answer is its reply; an episode that ends otherwise fails, saying so); the centralised critic's state
+step 0, then planner and solver at step 1); the last call must be to the team's last agent (an
+episode that ends otherwise fails, saying so), and the answer graded is what the workflow returns
+(:func:`answer_text`); the centralised critic's state
 before a call is the problem and every earlier reply of the episode (``"Problem: ..."`` then one
 ``"[step t] agent: reply"`` line each, the shape of :meth:`marft.envs.base.TurnBasedEnv.state`);
 the reward comes at the episode's last step; a step's agents that were not called are no
