@@ -165,8 +165,10 @@ class _Record:
                     self.openings[lo + e] = t.states[row]
                 if e in here:
                     rec = self.transcripts.setdefault(lo + e, {"problem": kept[lo + e], "observation": t.states[row], "turns": []})
-                    rec["turns"].append({"step": t.step, "agent": t.agent, "reply": t.texts[row],
-                                         "truncated": bool(t.truncated[row])})
+                    turn = {"step": t.step, "agent": t.agent, "reply": t.texts[row], "truncated": bool(t.truncated[row])}
+                    if t.messages is not None and t.messages[row] is not None:  # an agent program's: what it sent
+                        turn["messages"] = t.messages[row]
+                    rec["turns"].append(turn)
         for e in here:  # an episode that failed before its first turn has a transcript without turns
             rec = self.transcripts.setdefault(lo + e, {"problem": kept[lo + e], "observation": None, "turns": []})
             rec.update(correct=bool(out.success[e]), answer=out.infos[e].get("answer"), error=out.infos[e].get("error"))

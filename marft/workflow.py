@@ -206,7 +206,7 @@ def calls_to_rollout(team, problems: list[dict], calls: list[list], scores: list
     names = team.names
     E, N = len(problems), len(names)
     failed = torch.tensor([err is not None for err in errors], dtype=torch.bool)
-    rows: dict[tuple[int, str], list[tuple[int, Reply, str]]] = {}
+    rows: dict[tuple[int, str], list[tuple[int, Reply, str, list[dict]]]] = {}
     steps = torch.zeros(E, dtype=torch.long)
     order = {a: i for i, a in enumerate(names)}
     for e in range(E):
@@ -221,7 +221,7 @@ def calls_to_rollout(team, problems: list[dict], calls: list[list], scores: list
                 t += 1
             prev = i
             rows.setdefault((t, c.agent), []).append(
-                (e, Reply(c.prompt_ids, c.response_ids, c.logprobs, c.truncated, c.text), state))
+                (e, Reply(c.prompt_ids, c.response_ids, c.logprobs, c.truncated, c.text), state, c.messages))
             state += f"\n[step {t}] {c.agent}: {c.text}"
         steps[e] = t + 1
     H = max(int(steps.max()) if E else 1, 1)
@@ -250,8 +250,8 @@ def calls_to_rollout(team, problems: list[dict], calls: list[list], scores: list
     turns = []
     for (t, agent) in sorted(rows, key=lambda k: (k[0], order[k[1]])):
         got = sorted(rows[(t, agent)], key=lambda x: x[0])
-        out = pack([r for _, r, _ in got], 0)
-        turns.append(Turn(t, agent, torch.tensor([e for e, _, _ in got], dtype=torch.long), out.prompt_ids,
+        out = pack([r for _, r, _, _ in got], 0)
+        turns.append(Turn(t, agent, torch.tensor([e for e, *_ in got], dtype=torch.long), out.prompt_ids,
                           out.prompt_mask, out.response_ids, out.response_mask, out.logprobs, out.truncated,
-                          out.texts, [s for _, _, s in got]))
+                          out.texts, [s for _, _, s, _ in got], [m for *_, m in got]))
     return Rollout(turns, rewards, agent_rewards, dones, steps, success, extracted, infos=infos, failed=failed)

@@ -110,6 +110,16 @@ def test_parallel_calls_then_a_loop_become_micro_steps_in_call_order(duo):
     # the critic's state before a call holds every earlier reply of the episode
     later = [t for t in out.turns if t.agent == "solver"][0]
     assert all(s.startswith("Problem: Compute") and s.count("[step") == 2 for s in later.states)
+    # each turn keeps the messages the program sent (transcripts show them), through select and merge
+    for t in out.turns:
+        for e, m in zip(t.episodes.tolist(), t.messages):
+            assert len(m) == 1 and m[0]["role"] == "user" and m[0]["content"].startswith(problems[e]["prompt"] + " ")
+            assert (" View " in m[0]["content"]) == (t.agent == "planner")
+    from marft.turns import merge_rollouts
+    keep = torch.arange(3) < 2
+    merged = merge_rollouts([out.select(keep), out.select(~keep)], team.names)
+    flat = lambda r: sorted(str(m) for t in r.turns for m in t.messages)  # noqa: E731
+    assert flat(merged) == flat(out) and len(flat(out)) == sum(len(t.texts) for t in out.turns)
 
 
 def test_failing_hanging_and_idle_workflows_fail_alone(duo):
@@ -472,6 +482,9 @@ def test_marft_eval_scores_a_workflow_and_load_team_serves_the_trained_adapters(
     again = json.loads((tmp_path / "ev" / "eval.json").read_text())
     final = json.loads((run / "eval_final.json").read_text())
     assert again["problems"] == 3 and again["per_problem_success"] == final["per_problem_success"]
+    turn = again["transcripts"][0]["turns"][0]  # what the program sent the planner, in the transcript
+    assert turn["agent"] == "planner" and [m["role"] for m in turn["messages"]] == ["system", "user"]
+    assert turn["messages"][1]["content"] == again["transcripts"][0]["observation"].removeprefix("Problem: ")
     team = marft.load_team(run)
     chat = agent_messages(team.team["solver"], "Calculate 2 + 3.", {})
     with team.serve() as server:
