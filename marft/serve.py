@@ -27,7 +27,11 @@ keeps all of them in one.
 Sampling settings a request carries are honoured within the run's limits: ``max_tokens`` (or
 ``max_completion_tokens``) at most the agent's reply limit (larger values are cut to it),
 ``temperature`` 0-2, ``top_p`` in (0, 1] (not in a workflow's rollouts, ``fixed_sampling``: there
-the run's temperature and top_p, which the learner's log-probabilities assume, with one warning);
+the run's temperature and top_p, which the learner's log-probabilities assume, with one warning),
+``stop`` (a string or a list of up to 4 non-empty strings: the reply's content ends before the first
+one, ``finish_reason`` "stop", as OpenAI's; the recorded call keeps the reply's tokens up to the one
+that completed it, with their log-probabilities, as vLLM keeps them; the batch is still generated to
+the reply limit and cut afterwards, so a stop string saves no generation time);
 everything else is the run's. Errors are OpenAI-shaped
 JSON (``{"error": {"message", "type", "param", "code"}}``) with a 4xx status, never a crash of the
 run: a wrong or missing key (401), an unknown model or path (404), a wrong method (405), a malformed
@@ -83,6 +87,7 @@ class _Pending:
     sampling: Sampling
     started: float
     future: asyncio.Future = field(repr=False)
+    stop: tuple[str, ...] = ()  # the request's stop strings: not part of sampling, so that they do not split batches
 
 
 class _Refused(Exception):
@@ -331,12 +336,13 @@ class TeamServer:
             raise _Refused(400, f"n must be 1 (one reply per request), got {n!r}", param="n")
         messages = _messages(body.get("messages"))
         sampling = self._sampling(agent, body)
+        stop = _stop_strings(body.get("stop"))
         episode = request.path_params.get("episode", "default")
         with self._lock:
             index = self._counts.get(episode, 0)
             self._counts[episode] = index + 1
         pending = _Pending(episode, index, agent, messages, sampling, time.monotonic(),
-                           asyncio.get_running_loop().create_future())
+                           asyncio.get_running_loop().create_future(), stop)
         self._pending.append(pending)
         self._wake.set()
         call: Call = await pending.future
@@ -447,9 +453,10 @@ class TeamServer:
         for row, p in enumerate(group):
             prompt = out.prompt_ids[row][out.prompt_mask[row]].tolist()
             mask = out.response_mask[row]
-            calls.append(Call(p.episode, p.index, agent, p.messages, prompt, out.response_ids[row][mask].tolist(),
-                              out.logprobs[row][mask].tolist(), bool(out.truncated[row]), out.texts[row], sampling,
-                              p.started, done - p.started))
+            call = Call(p.episode, p.index, agent, p.messages, prompt, out.response_ids[row][mask].tolist(),
+                        out.logprobs[row][mask].tolist(), bool(out.truncated[row]), out.texts[row], sampling,
+                        p.started, done - p.started)
+            calls.append(_cut_at_stop(call, p.stop, self.tokenizer(agent)) if p.stop else call)
         return calls
 
 
@@ -531,6 +538,34 @@ def _messages(messages) -> list[dict]:
             raise _Refused(400, f"messages[{i}].content must be text", param=f"messages[{i}].content")
         out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
     return out
+
+
+def _stop_strings(stop) -> tuple[str, ...]:
+    """A request's ``stop``: a string or a list of up to 4 non-empty strings (OpenAI's limit), or a 400."""
+    if stop is None:  # null: not given
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
+        raise _Refused(400, f"stop must be a non-empty string or a list of at most 4 non-empty strings, got {stop!r}",
+                       param="stop")
+    return tuple(stops)
+
+
+def _cut_at_stop(call: Call, stop: tuple[str, ...], tok) -> Call:
+    """``call`` ended where its reply first contains a stop string: the tokens up to the one that
+    completed it (what was sampled, and what the learner trains on; the end-of-turn token, which
+    decodes to nothing, is dropped with the rest) and the text before it. Prefixes are decoded as the
+    engines decode replies (without special tokens), so a string split across tokens is found at the
+    token that completes it."""
+    if not any(s in call.text for s in stop):
+        return call
+    for k in range(1, len(call.response_ids) + 1):  # the cut is usually early (a ReAct step's tool call)
+        text = tok.decode(call.response_ids[:k], skip_special_tokens=True)
+        at = min((i for s in stop if (i := text.find(s)) >= 0), default=-1)
+        if at >= 0:
+            return replace(call, response_ids=call.response_ids[:k], logprobs=call.logprobs[:k], truncated=False,
+                           text=text[:at])
+    return call
 
 
 def serve_team(models, team, engine, sampling: Sampling, **kw) -> TeamServer:

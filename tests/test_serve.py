@@ -106,6 +106,10 @@ def _post(server, body, key=None, path="/v1/chat/completions"):
     ({"model": "solver", "messages": chat("x"), "n": 2}, None, 400, "n"),
     ({"model": "solver", "messages": chat("x"), "temperature": 9}, None, 400, "temperature"),
     ({"model": "solver", "messages": chat("x"), "max_tokens": 0}, None, 400, "max_tokens"),
+    ({"model": "solver", "messages": chat("x"), "stop": ["a", "b", "c", "d", "e"]}, None, 400, "stop"),
+    ({"model": "solver", "messages": chat("x"), "stop": ""}, None, 400, "stop"),
+    ({"model": "solver", "messages": chat("x"), "stop": ["a", ""]}, None, 400, "stop"),
+    ({"model": "solver", "messages": chat("x"), "stop": 3}, None, 400, "stop"),
     ({"model": "solver", "messages": chat("word " * 3000)}, None, 400, "context_length_exceeded"),
 ])
 def test_bad_requests_get_openai_errors_and_the_endpoint_goes_on(server, body, key, status, code_or_param):
@@ -137,6 +141,61 @@ def test_a_null_n_is_one_reply(server):
     for n in (True, 0, "1"):
         got, reply = _post(server, {"model": "solver", "messages": chat("x"), "n": n})
         assert got == 400 and reply["error"]["param"] == "n", (n, reply)
+
+
+def _greedy(server, episode, **fields):
+    """The solver's greedy reply to one chat (the same whatever the seed) and the call recorded for it."""
+    body = {"model": "solver", "messages": chat("Calculate 1 + 2."), "temperature": 0, **fields}
+    ok, reply = _post(server, body, path=f"/episodes/{episode}/v1/chat/completions")
+    assert ok == 200, reply
+    (call,) = server.calls(episode)
+    return reply["choices"][0], call
+
+
+def test_a_stop_string_cuts_the_reply_before_it_and_the_recorded_call_after_the_token_completing_it(server,
+                                                                                                     team_parts):
+    # a ReAct program sends stop=["\nObservation:"]: the stop string used to be ignored, the reply ran past it
+    tok = team_parts[1].for_agent("solver")[1]
+    whole, full = _greedy(server, "whole")
+    text = full.text
+    stop = text[len(text) // 2:len(text) // 2 + 2]  # somewhere inside the reply
+    assert stop and "\ufffd" not in stop, text
+    client = openai.OpenAI(base_url=server.base_url("cut"), api_key=server.api_key)
+    r = client.chat.completions.create(model="solver", messages=chat("Calculate 1 + 2."), temperature=0, stop=stop)
+    (call,) = server.calls("cut")
+    assert r.choices[0].message.content == call.text == text[:text.index(stop)] != text
+    assert r.choices[0].finish_reason == "stop" and not call.truncated and whole["finish_reason"] == "length"
+    # the sampled tokens up to the one that completed the stop string, with their log-probabilities
+    k = len(call.response_ids)
+    assert 0 < k < len(full.response_ids) and call.response_ids == full.response_ids[:k]
+    assert call.logprobs == pytest.approx(full.logprobs[:k]) and r.usage.completion_tokens == k
+    assert stop in tok.decode(call.response_ids, skip_special_tokens=True)
+    assert stop not in tok.decode(call.response_ids[:-1], skip_special_tokens=True)
+    # the list form: the first stop string to occur; one that never occurs changes nothing
+    listed, call2 = _greedy(server, "listed", stop=["never in this reply", stop])
+    assert listed["message"]["content"] == call.text and call2.response_ids == call.response_ids
+    for i, never in enumerate(("never in this reply", ["never", "in this reply"], None)):
+        same, call3 = _greedy(server, f"never{i}", stop=never)
+        assert same == whole and (call3.response_ids, call3.logprobs, call3.truncated, call3.text) == \
+            (full.response_ids, full.logprobs, full.truncated, full.text)
+
+
+def test_a_stop_string_is_found_in_the_decoded_prefix_and_drops_the_end_of_turn_token(team_parts):
+    # "é" is two byte-level tokens (neither decodes to it alone); a stop string that ends the text
+    # leaves the end-of-turn token after it out of the call
+    from marft.serve import Call, _cut_at_stop
+
+    tok = team_parts[1].for_agent("solver")[1]
+    ids = tok.encode("The answer é is 19.", add_special_tokens=False) + [tok.eos_token_id]
+    call = Call("e", 0, "solver", chat("x"), [1, 2], ids, [-0.5] * len(ids), False,
+                tok.decode(ids, skip_special_tokens=True), SAMPLING, 0.0, 0.0)
+    cut = _cut_at_stop(call, ("é",), tok)
+    assert cut.text == "The answer " and tok.decode(cut.response_ids).endswith("é")
+    assert cut.response_ids == ids[:len(cut.response_ids)] and "é" not in tok.decode(cut.response_ids[:-1])
+    assert len(tok.encode("é", add_special_tokens=False)) == 2 and len(cut.logprobs) == len(cut.response_ids)
+    end = _cut_at_stop(call, ("19.",), tok)
+    assert end.response_ids == ids[:-1] and end.logprobs == call.logprobs[:-1] and end.text == "The answer é is "
+    assert _cut_at_stop(call, ("20",), tok) is call
 
 
 @pytest.mark.parametrize("method,path,status,allow", [
