@@ -92,12 +92,14 @@ def encode_chats(tok, chats: list[list[dict]], device) -> tuple[torch.Tensor, to
 
 
 def _render(tok, chat: list[dict]) -> str:
+    # a served request's tools, for a template that shows them itself (marft.tool_calls.Chat)
+    tools = {"tools": chat.tools} if getattr(chat, "tools", None) else {}
     try:
-        return tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        return tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, **tools)
     except Exception:  # templates that reject a system role: fold it into the first user turn
         if chat and chat[0]["role"] == "system" and len(chat) > 1:
             merged = [{"role": "user", "content": chat[0]["content"] + "\n\n" + chat[1]["content"]}] + chat[2:]
-            return tok.apply_chat_template(merged, tokenize=False, add_generation_prompt=True)
+            return tok.apply_chat_template(merged, tokenize=False, add_generation_prompt=True, **tools)
         raise
 
 

@@ -32,13 +32,26 @@ the run's temperature and top_p, which the learner's log-probabilities assume, w
 one, ``finish_reason`` "stop", as OpenAI's; the recorded call keeps the reply's tokens up to the one
 that completed it, with their log-probabilities, as vLLM keeps them; the batch is still generated to
 the reply limit and cut afterwards, so a stop string saves no generation time);
-everything else is the run's. Errors are OpenAI-shaped
+everything else is the run's.
+
+Tools (:mod:`marft.tool_calls`): a request's ``tools`` are shown to the model (not with ``tool_choice``
+"none"; "auto" is the other one accepted, a forced call is a 400), by the chat template where it
+renders tools itself, else as a system paragraph in the Hermes / Qwen2.5 convention; an assistant
+message's ``tool_calls`` (its content may be null) and ``role: "tool"`` results are rendered the same
+way (as ``<tool_call>`` and ``<tool_response>`` text without such a template). The reply's
+``<tool_call>`` blocks that name one of the request's functions with JSON arguments come back as
+``message.tool_calls`` (``finish_reason`` "tool_calls"), the rest of the text as the content; the
+recorded call keeps the prompt's ids as the engine rendered them and the reply's tokens as sampled,
+blocks included: the learner trains on the calls as the model wrote them.
+
+Errors are OpenAI-shaped
 JSON (``{"error": {"message", "type", "param", "code"}}``) with a 4xx status, never a crash of the
 run: a wrong or missing key (401), an unknown model or path (404), a wrong method (405), a malformed
-body, ``stream: true`` (not supported), ``n`` other than 1 or a prompt longer than the model's
-context (400). A field sent as ``null`` is a field not sent (``n: null`` is 1, ``max_completion_tokens:
-null`` leaves ``max_tokens`` in force). A host that is not an address of this machine, or a port in
-use, is a :class:`marft.errors.UserError` from :meth:`TeamServer.start` saying which.
+body (malformed ``tools`` or ``tool_choice`` included), ``stream: true`` (not supported), ``n`` other
+than 1 or a prompt longer than the model's context (400). A field sent as ``null`` is a field not sent
+(``n: null`` is 1, ``max_completion_tokens: null`` leaves ``max_tokens`` in force). A host that is
+not an address of this machine, or a port in use, is a :class:`marft.errors.UserError` from
+:meth:`TeamServer.start` saying which.
 """
 from __future__ import annotations
 
@@ -56,8 +69,9 @@ from typing import Callable
 
 import torch
 
+from . import tool_calls
 from .errors import UserError
-from .generation import Sampling, _warn_once
+from .generation import Sampling, _render, _warn_once
 
 
 @dataclass
@@ -84,6 +98,7 @@ class _Pending:
     index: int
     agent: str
     messages: list[dict]
+    chat: list[dict]  # what the engine renders: the messages with the request's tools (marft.tool_calls)
     sampling: Sampling
     started: float
     future: asyncio.Future = field(repr=False)
@@ -335,22 +350,29 @@ class TeamServer:
         if n is not None and (isinstance(n, bool) or n != 1):
             raise _Refused(400, f"n must be 1 (one reply per request), got {n!r}", param="n")
         messages = _messages(body.get("messages"))
+        tools = _tools(body.get("tools"), body.get("tool_choice"))
         sampling = self._sampling(agent, body)
         stop = _stop_strings(body.get("stop"))
         episode = request.path_params.get("episode", "default")
         with self._lock:
             index = self._counts.get(episode, 0)
             self._counts[episode] = index + 1
-        pending = _Pending(episode, index, agent, messages, sampling, time.monotonic(),
+        # only the template's text is read here, not the tokenizer (which the generation thread uses)
+        chat = tool_calls.chat(messages, tools, self.tokenizer(agent))
+        pending = _Pending(episode, index, agent, messages, chat, sampling, time.monotonic(),
                            asyncio.get_running_loop().create_future(), stop)
         self._pending.append(pending)
         self._wake.set()
         call: Call = await pending.future
+        message, finish = {"role": "assistant", "content": call.text}, "length" if call.truncated else "stop"
+        if tools:  # the call keeps the reply's tokens as sampled: the learner trains on the calls as written
+            content, calls = tool_calls.parse(call.text, {t["function"]["name"] for t in tools})
+            if calls:
+                message, finish = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
         return {
             "id": f"chatcmpl-{episode}-{index}", "object": "chat.completion", "created": int(time.time()),
             "model": agent,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": call.text},
-                         "finish_reason": "length" if call.truncated else "stop", "logprobs": None}],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
             "usage": {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(call.response_ids),
                       "total_tokens": len(call.prompt_ids) + len(call.response_ids)},
         }
@@ -424,8 +446,8 @@ class TeamServer:
                 self._wake.set()
 
     def _too_long(self, agent: str, p: _Pending) -> _Refused | None:
-        ids = self.tokenizer(agent).apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        tok = self.tokenizer(agent)
+        ids = tok(_render(tok, p.chat), add_special_tokens=False)["input_ids"]  # as the engines encode it
         limit = self.context(agent)
         if len(ids) + p.sampling.max_new_tokens <= limit:
             return None
@@ -444,7 +466,7 @@ class TeamServer:
 
     def _generated(self, agent: str, sampling: Sampling, group: list[_Pending]) -> list[Call]:
         t0 = time.perf_counter()
-        out = self.engine.generate(agent, [p.messages for p in group], sampling, self.generator)
+        out = self.engine.generate(agent, [p.chat for p in group], sampling, self.generator)
         self.gen_seconds += time.perf_counter() - t0
         self.gen_flops += self.engine.flops(agent, out)
         self.batches.append((agent, len(group)))
@@ -520,15 +542,22 @@ def _settle(future, result, error) -> None:
 
 
 def _messages(messages) -> list[dict]:
-    """The chat as plain {role, content} text messages, or a 400 saying what is wrong."""
+    """The chat as {role, content} text messages, or a 400 saying what is wrong. An assistant's tool
+    calls are kept as transformers' chat templates take them (``tool_calls``, each function's
+    arguments a dict; its content "" when none), a tool's result with its ``tool_call_id`` and, where
+    known, the function's ``name``."""
     if not isinstance(messages, list) or not messages:
         raise _Refused(400, "messages must be a non-empty list of {role, content} objects", param="messages")
     out = []
+    names: dict = {}  # tool call id -> its function's name, for the tool messages that answer it
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
-            raise _Refused(400, f"messages[{i}] must be an object with role system, user or assistant",
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+            raise _Refused(400, f"messages[{i}] must be an object with role system, user, assistant or tool",
                            param=f"messages[{i}].role")
         content = m.get("content")
+        calls = _tool_calls(m.get("tool_calls"), i) if m["role"] == "assistant" else []
+        if calls and content is None:  # a reply that only calls tools
+            content = ""
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str) for c in content):
                 raise _Refused(400, f"messages[{i}].content: only text parts are supported",
@@ -537,7 +566,66 @@ def _messages(messages) -> list[dict]:
         if not isinstance(content, str):
             raise _Refused(400, f"messages[{i}].content must be text", param=f"messages[{i}].content")
         out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+        if calls:
+            out[-1]["tool_calls"] = calls
+            names.update((c["id"], c["function"]["name"]) for c in calls if "id" in c)
+        if m["role"] == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise _Refused(400, f"messages[{i}].tool_call_id must be the id of the tool call it answers",
+                               param=f"messages[{i}].tool_call_id")
+            out[-1]["tool_call_id"] = m["tool_call_id"]
+            name = m.get("name") or names.get(m["tool_call_id"])
+            if isinstance(name, str):
+                out[-1]["name"] = name
     return out
+
+
+def _tool_calls(calls, i: int) -> list[dict]:
+    """An assistant message's ``tool_calls`` (null or absent: none), arguments parsed, or a 400."""
+    if calls is None:
+        return []
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise _Refused(400, f"{where} must be a list of tool calls", param=where)
+    out = []
+    for k, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        args = f.get("arguments") if isinstance(f, dict) else None
+        with contextlib.suppress(ValueError):
+            args = json.loads(args) if isinstance(args, str) else args
+        if not (isinstance(f, dict) and isinstance(f.get("name"), str) and isinstance(args, dict)
+                and c.get("type", "function") == "function"):
+            raise _Refused(400, f"{where}[{k}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                                f"\"arguments\": <a JSON object, as a string>}}}}, got {c!r}", param=f"{where}[{k}]")
+        out.append({"type": "function", "function": {"name": f["name"], "arguments": args}})
+        if isinstance(c.get("id"), str):
+            out[-1]["id"] = c["id"]
+    return out
+
+
+def _tools(tools, choice) -> list[dict] | None:
+    """A request's ``tools`` as the model is to be shown them: None when there are none or
+    ``tool_choice`` is "none"; a 400 for malformed ones, or a ``tool_choice`` that would force a call."""
+    if choice is not None and choice not in ("auto", "none"):
+        raise _Refused(400, f"tool_choice must be \"auto\" or \"none\": marft's endpoint does not force a tool call "
+                            f"(\"required\" or a named function), got {choice!r}", param="tool_choice")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise _Refused(400, f"tools must be a list of functions, got {tools!r}", param="tools")
+    out, seen = [], set()
+    for k, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) else None
+        ok = isinstance(f, dict) and t.get("type") == "function" and isinstance(f.get("name"), str) and f["name"]
+        if not ok or not isinstance(f.get("description") or "", str) or not isinstance(f.get("parameters") or {}, dict):
+            raise _Refused(400, f"tools[{k}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                                f"\"description\"?: <text>, \"parameters\"?: <a JSON schema object>}}}}, got {t!r}",
+                           param="tools")
+        if f["name"] in seen:
+            raise _Refused(400, f"tools[{k}]: a second function named {f['name']!r}", param="tools")
+        seen.add(f["name"])
+        out.append({"type": "function", "function": {key: v for key, v in f.items() if v is not None}})
+    return out if out and choice != "none" else None
 
 
 def _stop_strings(stop) -> tuple[str, ...]:

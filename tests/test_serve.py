@@ -312,3 +312,190 @@ def test_a_runs_rollouts_sample_at_the_runs_temperature_whatever_a_request_asks(
     run = TeamServer._sampling(stub(True), "solver", body)
     assert (run.temperature, run.top_p, run.max_new_tokens) == (1.0, 1.0, 4)
     assert "the workflow asks for temperature=0.2" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- tool calling (marft/tool_calls.py)
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two numbers.",
+                                        "parameters": {"type": "object", "properties": {"a": {"type": "number"},
+                                                                                        "b": {"type": "number"}}}}}
+CALL_TEXT = 'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+
+
+class Scripted:
+    """The real engine with its replies' text replaced by ``text`` (a random tiny model writes no tool
+    call); keeps the chats it was given."""
+
+    def __init__(self, engine, text):
+        self.engine, self.text, self.chats = engine, text, []
+
+    def generate(self, agent, chats, sampling, generator=None):
+        self.chats += chats
+        out = self.engine.generate(agent, chats, sampling, generator)
+        out.texts = [self.text] * len(chats)
+        return out
+
+    def flops(self, agent, out):
+        return 0.0
+
+
+@pytest.fixture
+def scripted(team_parts):
+    team, models, engine = team_parts
+    engine = Scripted(engine, CALL_TEXT)
+    with serve_team(models, team, engine, SAMPLING, seed=7) as s:
+        yield s, engine, models.for_agent("solver")[1]
+
+
+def test_tool_calls_are_parsed_from_the_reply_and_other_blocks_stay_text():
+    from marft.tool_calls import parse
+
+    content, calls = parse(CALL_TEXT + '\n<tool_call>{"name": "mul", "arguments": {}}</tool_call>'
+                           '\n<tool_call>{not json}</tool_call>\n<tool_call>{"name": "add"}</tool_call>', {"add"})
+    assert [c["function"]["name"] for c in calls] == ["add", "add"]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"a": 1, "b": 2}, {}]
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    assert calls[0]["id"] != calls[1]["id"]
+    assert content.startswith("Let me add.") and '"mul"' in content and "{not json}" in content
+    assert '"add"' not in content
+    assert parse(CALL_TEXT, {"add"})[0] == "Let me add."
+    assert parse('<tool_call>\n{"name": "add", "arguments": {}}\n</tool_call>\n', {"add"})[0] is None  # only a call
+    for text in (" no call here ", CALL_TEXT.replace("</tool_call>", "")):  # none, or one cut off: the text as it is
+        assert parse(text, {"add"}) == (text, [])
+    assert parse('<tool_call>{"name": "add", "arguments": "1, 2"}</tool_call>', {"add"})[1] == []
+
+
+def test_tools_and_tool_turns_are_written_as_text_for_a_template_without_tools(team_parts):
+    from marft.generation import _render
+    from marft.serve import _messages, _tools
+    from marft.tool_calls import chat as tool_chat
+
+    tok = team_parts[1].for_agent("solver")[1]
+    assert "tools" not in tok.chat_template
+    messages = _messages(chat("Add 1 and 2.") + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}},
+            {"id": "c2", "type": "function", "function": {"name": "add", "arguments": '{"a": 3, "b": 4}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "3"}, {"role": "tool", "tool_call_id": "c2", "content": "7"}])
+    assert messages[3] == {"role": "tool", "content": "3", "tool_call_id": "c1", "name": "add"}
+    assert messages[2]["tool_calls"][0]["function"]["arguments"] == {"a": 1, "b": 2}  # a dict, as templates take it
+    rendered = tool_chat(messages, _tools([ADD], "auto"), tok)
+    assert [m["role"] for m in rendered] == ["system", "user", "assistant", "user"]  # both results: one user turn
+    assert rendered[0]["content"].startswith("Be brief.\n\n# Tools") and json.dumps(ADD) in rendered[0]["content"]
+    assert rendered[2]["content"] == ('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+                                      '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>')
+    assert rendered[3]["content"] == "<tool_response>\n3\n</tool_response>\n<tool_response>\n7\n</tool_response>"
+    assert "<tool_response>\n3\n</tool_response>" in _render(tok, rendered)
+    # no system message: the tools get one; tool_choice none: not shown, the tool turns still written
+    assert tool_chat(messages[1:], _tools([ADD], None), tok)[0]["content"].startswith("# Tools")
+    hidden = tool_chat(messages, _tools([ADD], "none"), tok)
+    assert hidden[0] == messages[0] and hidden[3] == rendered[3]
+    plain = chat("Add 1 and 2.")  # nothing about tools: the very messages, rendered as before
+    assert tool_chat(plain, None, tok) is plain and tool_chat(plain, _tools(None, "auto"), tok) is plain
+
+
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTOOLS{% for t in tools %} {{ t.function.name }}{% endfor %}"
+    "<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "CALL {{ c.function.name }} {{ c.function.arguments | tojson }}{% endfor %}{% else %}{{ m.content }}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_shows_tools_is_given_them(scripted):
+    # a tool-use model's template renders the tools and tool turns itself: it gets them as transformers passes them
+    server, engine, tok = scripted
+    before = tok.chat_template
+    tok.chat_template = TOOL_TEMPLATE
+    try:
+        messages = chat("Add 1 and 2.") + [
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "3"}]
+        ok, reply = _post(server, {"model": "solver", "messages": messages, "tools": [ADD]})
+        assert ok == 200 and reply["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "add", reply
+        (call,) = server.calls()
+        prompt = tok.decode(call.prompt_ids)
+        assert prompt.startswith("<|im_start|>system\nTOOLS add<|im_end|>") and "<tool_call>" not in prompt
+        assert 'CALL add {"a": 1}' in prompt and "<|im_start|>tool\n3<|im_end|>" in prompt  # arguments a dict
+        assert engine.chats[-1].tools == [ADD]
+        ok, reply = _post(server, {"model": "solver", "messages": messages, "tools": [ADD], "tool_choice": "none"})
+        assert ok == 200 and "TOOLS" not in tok.decode(server.calls()[-1].prompt_ids)
+    finally:
+        tok.chat_template = before
+
+
+def test_a_reply_with_a_tool_call_reaches_the_openai_client_and_the_result_comes_back(scripted):
+    server, engine, tok = scripted
+    client = openai.OpenAI(base_url=server.base_url("tools"), api_key=server.api_key)
+    messages = chat("Add 1 and 2.")
+    r = client.chat.completions.create(model="solver", messages=messages, tools=[ADD])
+    choice = r.choices[0]
+    (call,) = server.calls("tools")
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me add."
+    (tool_call,) = choice.message.tool_calls
+    assert tool_call.function.name == "add" and json.loads(tool_call.function.arguments) == {"a": 1, "b": 2}
+    assert call.text == CALL_TEXT and call.messages == messages  # the call recorded as the model wrote it
+    prompt = tok.decode(call.prompt_ids)
+    assert json.dumps(ADD) in prompt and "<tool_call>" in prompt  # the tools shown
+    # the program answers with the tool's result: an assistant message with tool_calls (content null) and a tool message
+    messages += [choice.message.model_dump(exclude_none=True) | {"content": None},
+                 {"role": "tool", "tool_call_id": tool_call.id, "content": "3"}]
+    client.chat.completions.create(model="solver", messages=messages, tools=[ADD])
+    second = server.calls("tools")[1]
+    prompt = tok.decode(second.prompt_ids)
+    assert '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>' in prompt
+    assert "<tool_response>\n3\n</tool_response>" in prompt and second.messages[3]["tool_call_id"] == tool_call.id
+    # the prompt recorded is the one the engine was given
+    from marft.generation import encode_chats
+    ids, mask = encode_chats(tok, [engine.chats[-1]], "cpu")
+    assert second.prompt_ids == ids[0][mask[0]].tolist()
+    # tool_choice none: no tools shown, the reply's block is text; no tools: the same
+    for fields in ({"tools": [ADD], "tool_choice": "none"}, {}):
+        r = client.chat.completions.create(model="solver", messages=chat("Add."), **fields)
+        assert r.choices[0].message.content == CALL_TEXT and not r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason in ("stop", "length")
+        assert "<tools>" not in tok.decode(server.calls("tools")[-1].prompt_ids)
+
+
+def test_a_request_without_tools_renders_as_before(server, team_parts):
+    tok = team_parts[1].for_agent("solver")[1]
+    from marft.generation import encode_chats
+    ids, mask = encode_chats(tok, [chat("Calculate 1 + 2.")], "cpu")
+    for i, fields in enumerate(({}, {"tools": None, "tool_choice": None}, {"tool_choice": "auto"}, {"tools": []})):
+        ok, reply = _post(server, {"model": "solver", "messages": chat("Calculate 1 + 2."), **fields},
+                          path=f"/episodes/plain{i}/v1/chat/completions")
+        assert ok == 200 and "tool_calls" not in reply["choices"][0]["message"], reply
+        assert server.calls(f"plain{i}")[0].prompt_ids == ids[0][mask[0]].tolist()
+
+
+def _bad(**fields):
+    return {"model": "solver", "messages": chat("x"), **fields}
+
+
+NOT_JSON = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{1"}}  # arguments not JSON
+
+
+@pytest.mark.parametrize("body,param", [
+    (_bad(tools={"add": ADD}), "tools"),
+    (_bad(tools=[{"type": "function", "function": {"description": "no name"}}]), "tools"),
+    (_bad(tools=[{"type": "retrieval"}]), "tools"),
+    (_bad(tools=[ADD, ADD]), "tools"),
+    (_bad(tools=[{"type": "function", "function": {"name": "f", "parameters": "a schema"}}]), "tools"),
+    (_bad(tools=[ADD], tool_choice="required"), "tool_choice"),
+    (_bad(tools=[ADD], tool_choice={"type": "function", "function": {"name": "add"}}), "tool_choice"),
+    (_bad(tools=[ADD], tool_choice=3), "tool_choice"),
+    (_bad(messages=[{"role": "tool", "content": "3"}]), "messages[0].tool_call_id"),
+    (_bad(messages=[{"role": "tool", "tool_call_id": "c1", "content": None}]), "messages[0].content"),
+    (_bad(messages=[{"role": "assistant", "content": None}]), "messages[0].content"),
+    (_bad(messages=[{"role": "assistant", "content": None, "tool_calls": []}]), "messages[0].content"),
+    (_bad(messages=[{"role": "assistant", "tool_calls": {"id": "c1"}}]), "messages[0].tool_calls"),
+    (_bad(messages=[{"role": "assistant", "tool_calls": [NOT_JSON]}]), "messages[0].tool_calls[0]"),
+    (_bad(messages=[{"role": "assistant", "tool_calls": [{"id": "c1", "type": "function"}]}]),
+     "messages[0].tool_calls[0]"),
+])
+def test_bad_tools_get_openai_errors_and_the_endpoint_goes_on(server, body, param):
+    got, reply = _post(server, body)
+    assert got == 400 and reply["error"]["param"] == param and reply["error"]["message"], reply
+    ok, reply = _post(server, {"model": "solver", "messages": chat("Calculate 2 + 2.")})
+    assert ok == 200

@@ -1,0 +1,99 @@
+"""OpenAI tool calling for the endpoint (:mod:`marft.serve`), in the convention most open models are
+trained on (Hermes, Qwen2.5): the model is shown the functions' JSON signatures, calls one by writing
+``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` and reads the result in a
+``<tool_response>`` block.
+
+A chat template that renders ``tools`` itself (a model trained on tool use ships one) is given the
+tools and the messages as transformers' templates take them (:class:`Chat`); for one that does not,
+the tools and the tool turns are written into the messages as text (:func:`chat`). Either way the
+engine renders and tokenizes the result as any chat, so the prompt ids it records are the ones the
+model was given.
+"""
+from __future__ import annotations
+
+import json
+import re
+import secrets
+
+
+class Chat(list):
+    """A chat's messages and the tools its chat template is to show: ``marft.generation._render``
+    passes them as ``apply_chat_template(..., tools=)``. A list, so that the engines hand it on as
+    any chat."""
+
+    def __init__(self, messages: list[dict], tools: list[dict]):
+        super().__init__(messages)
+        self.tools = tools
+
+
+def template_shows_tools(tok) -> bool:
+    """Whether ``tok``'s chat template renders tools itself (it reads a ``tools`` variable)."""
+    template = tok.chat_template
+    return isinstance(template, str) and "tools" in template
+
+
+def chat(messages: list[dict], tools: list[dict] | None, tok) -> list[dict]:
+    """What the engine renders for ``messages`` (as :func:`marft.serve._messages` gives them) with
+    ``tools`` shown (None: none): ``messages`` themselves when nothing in them is about tools, so that
+    a chat without tools renders exactly as before."""
+    if template_shows_tools(tok):
+        return Chat(messages, tools) if tools else messages
+    if not tools and all(m["role"] != "tool" and "tool_calls" not in m for m in messages):
+        return messages
+    out = []
+    for i, m in enumerate(messages):
+        if m["role"] == "tool":
+            result = f"<tool_response>\n{m['content']}\n</tool_response>"
+            if i and messages[i - 1]["role"] == "tool":  # the results of one turn's calls: one user turn
+                out[-1] = {"role": "user", "content": out[-1]["content"] + "\n" + result}
+            else:
+                out.append({"role": "user", "content": result})
+        elif "tool_calls" in m:
+            calls = [_block({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
+                     for c in m["tool_calls"]]
+            out.append({"role": "assistant", "content": "\n".join(([m["content"]] if m["content"] else []) + calls)})
+        else:
+            out.append(m)
+    if tools:
+        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        paragraph = ("# Tools\n\nYou may call the functions whose signatures are listed in <tools></tools>:\n"
+                     f"<tools>\n{listing}\n</tools>\n\nTo call one, write a JSON object with its name and arguments "
+                     "in <tool_call></tool_call> tags, one block per call:\n<tool_call>\n"
+                     '{"name": <function name>, "arguments": <its arguments as a JSON object>}\n</tool_call>')
+        if out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + paragraph}
+        else:
+            out.insert(0, {"role": "system", "content": paragraph})
+    return out
+
+
+def _block(call: dict) -> str:
+    return f"<tool_call>\n{json.dumps(call, ensure_ascii=False)}\n</tool_call>"
+
+
+_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def parse(text: str, names: set[str]) -> tuple[str | None, list[dict]]:
+    """A reply's content and tool calls as OpenAI sends them back: each ``<tool_call>`` block holding
+    a JSON object that names a function of ``names`` (its arguments a JSON object, or none) becomes a
+    call, and the rest of the text, stripped, the content (None when empty). Any other block stays in
+    the content as text (the program sees what the model wrote); without a call, the content is
+    ``text`` as it is."""
+    calls = []
+
+    def take(block: re.Match) -> str:
+        try:
+            call = json.loads(block.group(1))
+        except ValueError:
+            return block.group(0)
+        if not (isinstance(call, dict) and isinstance(call.get("name"), str) and call["name"] in names
+                and isinstance(call.get("arguments", {}), dict)):
+            return block.group(0)
+        arguments = json.dumps(call.get("arguments", {}), ensure_ascii=False)
+        calls.append({"id": "call_" + secrets.token_hex(12), "type": "function",
+                      "function": {"name": call["name"], "arguments": arguments}})
+        return ""
+
+    rest = _CALL.sub(take, text).strip()
+    return (rest or None, calls) if calls else (text, [])
