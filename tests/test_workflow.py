@@ -357,7 +357,7 @@ def _eval_workflow(tmp_path, tiny_model_dir, source, name, capsys):
     return rc, [line for line in capsys.readouterr().err.splitlines() if line.startswith("marft: error")]
 
 
-@pytest.mark.parametrize("config", ["workflow_duo", "workflow_loop"])
+@pytest.mark.parametrize("config", ["workflow_duo", "workflow_loop", "workflow_tools"])
 def test_the_shipped_workflow_examples_train_on_the_tiny_model(config, tiny_overrides, tmp_path, capsys):
     """examples/duo_workflow.py, and examples/loop_workflow.py (two planner calls at once, then the
     solver until its answer is boxed; it imports its neighbour duo_workflow.py); eval.ablate is
@@ -548,3 +548,50 @@ def test_a_workflow_that_never_calls_an_agent_trains_the_others(algorithm, tiny_
                  f"train.algorithm={algorithm}", f"output_dir={run}"]) == 0
     m = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert m["planner/calls"] == 0 and m["solver/calls"] == 1 and "planner/reply_tokens" not in m
+
+
+class _ToolUser:
+    """The real engine, but the solver calls the example's calculator first (a random tiny model
+    writes no tool call) and answers from its result once it has one."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def generate(self, agent, chats, sampling, generator=None):
+        import json
+        import re
+
+        out = self.engine.generate(agent, chats, sampling, generator)
+        if agent == "solver":
+            texts = []
+            for chat in chats:
+                result = re.search(r"<tool_response>\n(.*)\n</tool_response>", chat[-1]["content"])
+                a, b = re.search(r"Calculate (\d+) \+ (\d+)", chat[1]["content"]).groups()
+                call = {"name": "add", "arguments": {"a": int(a), "b": int(b)}}
+                texts.append(f"\\boxed{{{result.group(1)}}}" if result else f"<tool_call>\n{json.dumps(call)}\n</tool_call>")
+            out.texts = texts
+        return out
+
+    def flops(self, agent, out):
+        return 0.0
+
+
+def test_the_tool_example_runs_its_tool_and_the_solver_answers_from_the_result(duo):
+    """examples/tool_workflow.py through the endpoint: the solver's <tool_call> comes back to the
+    program as tool_calls, the program's tool result (role tool) reaches the solver's next prompt,
+    and the rollout is planner, solver, solver with the reward at the last step."""
+    from marft.envs.check import import_user_module
+
+    team, models, engine = duo
+    solve = import_user_module("examples/tool_workflow.py", "marft_test_").solve
+    problems = [{"prompt": f"Calculate {a} + {b}.", "answer": str(a + b)} for a, b in [(2, 3), (4, 8)]]
+    with serve_team(models, team, _ToolUser(engine), SAMPLING) as server:
+        out = play_workflows(team, server, solve, problems, lambda answer, p: float(answer == f"\\boxed{{{p['answer']}}}"))
+    assert not out.failed.any() and out.success.tolist() == [True, True]
+    assert [(t.step, t.agent) for t in out.turns] == [(0, "planner"), (0, "solver"), (1, "solver")]
+    again = out.turns[2]
+    for e, messages in zip(again.episodes.tolist(), again.messages):  # what the program sent the second time
+        assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool"]
+        assert messages[2]["tool_calls"][0]["function"]["name"] == "add"
+        assert messages[3]["content"] == problems[e]["answer"]
+    assert out.rewards[:, 1].tolist() == [1.0, 1.0] and out.rewards[:, 0].tolist() == [0.0, 0.0]
