@@ -44,14 +44,24 @@ way (as ``<tool_call>`` and ``<tool_response>`` text without such a template). T
 recorded call keeps the prompt's ids as the engine rendered them and the reply's tokens as sampled,
 blocks included: the learner trains on the calls as the model wrote them.
 
+Streaming: ``stream: true`` is answered with Server-Sent Events (``text/event-stream``) in OpenAI's
+``chat.completion.chunk`` format, for the frameworks that stream by default or in common modes.
+Replies are generated whole, so the stream is sent once the reply is ready: the reply arrives at
+once, with no gain in time to the first token. The chunks (one ``id``, ``created`` and ``model``):
+the role with the whole content (null when the reply is only tool calls), each tool call whole with
+its ``index``, an empty delta with the ``finish_reason`` of the unstreamed reply, with
+``stream_options: {"include_usage": true}`` one more with ``choices: []`` and the ``usage``, then
+``data: [DONE]``. The recorded call is the same either way; a refused request is a JSON error, never
+a stream.
+
 Errors are OpenAI-shaped
 JSON (``{"error": {"message", "type", "param", "code"}}``) with a 4xx status, never a crash of the
 run: a wrong or missing key (401), an unknown model or path (404), a wrong method (405), a malformed
-body (malformed ``tools`` or ``tool_choice`` included), ``stream: true`` (not supported), ``n`` other
-than 1 or a prompt longer than the model's context (400). A field sent as ``null`` is a field not sent
-(``n: null`` is 1, ``max_completion_tokens: null`` leaves ``max_tokens`` in force). A host that is
-not an address of this machine, or a port in use, is a :class:`marft.errors.UserError` from
-:meth:`TeamServer.start` saying which.
+body (malformed ``tools``, ``tool_choice`` or ``stream_options`` included, and ``stream_options``
+without ``stream: true``, as OpenAI's), ``n`` other than 1 or a prompt longer than the model's context
+(400). A field sent as ``null`` is a field not sent (``n: null`` is 1, ``max_completion_tokens: null``
+leaves ``max_tokens`` in force). A host that is not an address of this machine, or a port in use, is a
+:class:`marft.errors.UserError` from :meth:`TeamServer.start` saying which.
 """
 from __future__ import annotations
 
@@ -272,7 +282,7 @@ class TeamServer:
     def app(self):
         from starlette.applications import Starlette
         from starlette.exceptions import HTTPException
-        from starlette.responses import JSONResponse
+        from starlette.responses import JSONResponse, StreamingResponse
         from starlette.routing import Route
 
         def refused(e: _Refused) -> JSONResponse:
@@ -282,9 +292,13 @@ class TeamServer:
         async def guarded(request, handler):
             try:
                 self._check_key(request)
-                return JSONResponse(await handler(request))
+                out = await handler(request)
             except _Refused as e:
                 return refused(e)
+            if isinstance(out, _Events):  # stream: true; the reply is whole by now, so is the stream
+                return StreamingResponse(iter(out), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})
+            return JSONResponse(out)
 
         async def models(request):
             return await guarded(request, self._models)
@@ -333,7 +347,7 @@ class TeamServer:
         return {"object": "list", "data": [{"id": a, "object": "model", "created": 0, "owned_by": "marft"}
                                            for a in self.team.names]}
 
-    async def _chat(self, request) -> dict:
+    async def _chat(self, request) -> dict | _Events:
         try:
             body = json.loads(await request.body())
         except ValueError as e:
@@ -344,8 +358,7 @@ class TeamServer:
         if agent not in self.team.names:
             raise _Refused(404, f"The model {agent!r} does not exist: this team's models are its agents, "
                                 f"{', '.join(self.team.names)}", param="model", code="model_not_found")
-        if body.get("stream"):
-            raise _Refused(400, "streaming is not supported by marft's endpoint; send stream: false", param="stream")
+        stream = _stream(body.get("stream"), body.get("stream_options"))
         n = body.get("n")  # null: not given (1), as OpenAI takes it
         if n is not None and (isinstance(n, bool) or n != 1):
             raise _Refused(400, f"n must be 1 (one reply per request), got {n!r}", param="n")
@@ -369,13 +382,14 @@ class TeamServer:
             content, calls = tool_calls.parse(call.text, {t["function"]["name"] for t in tools})
             if calls:
                 message, finish = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
-        return {
+        response = {
             "id": f"chatcmpl-{episode}-{index}", "object": "chat.completion", "created": int(time.time()),
             "model": agent,
             "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
             "usage": {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(call.response_ids),
                       "total_tokens": len(call.prompt_ids) + len(call.response_ids)},
         }
+        return response if stream is None else _events(_chunks(response, **stream))
 
     def _sampling(self, agent: str, body: dict) -> Sampling:
         cap = self.team[agent].max_new_tokens or self.sampling.max_new_tokens
@@ -637,6 +651,57 @@ def _stop_strings(stop) -> tuple[str, ...]:
         raise _Refused(400, f"stop must be a non-empty string or a list of at most 4 non-empty strings, got {stop!r}",
                        param="stop")
     return tuple(stops)
+
+
+def _stream(stream, options) -> dict | None:
+    """A request's ``stream`` and ``stream_options``: None for a JSON reply, else the keywords of
+    :func:`_chunks`; or a 400, as OpenAI's (``stream_options`` is only allowed with ``stream: true``).
+    Other keys of ``stream_options`` (``include_obfuscation``) are ignored: the chunks are never padded."""
+    if stream is not None and not isinstance(stream, bool):
+        raise _Refused(400, f"stream must be true or false, got {stream!r}", param="stream")
+    if options is None:  # null: not given
+        return {"include_usage": False} if stream else None
+    if not stream:
+        raise _Refused(400, "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                       param="stream_options")
+    usage = options.get("include_usage") if isinstance(options, dict) else None
+    if not isinstance(options, dict) or (usage is not None and not isinstance(usage, bool)):
+        raise _Refused(400, f"stream_options must be an object such as {{\"include_usage\": true}} (include_usage "
+                            f"true or false), got {options!r}", param="stream_options")
+    return {"include_usage": bool(usage)}
+
+
+class _Events(list):
+    """A streamed reply: its Server-Sent Events, ``data: ...`` lines, the last ``data: [DONE]``."""
+
+
+def _events(chunks: list[dict]) -> _Events:
+    return _Events([f"data: {json.dumps(c, ensure_ascii=False)}\n\n" for c in chunks] + ["data: [DONE]\n\n"])
+
+
+def _chunks(response: dict, include_usage: bool = False) -> list[dict]:
+    """A ``chat.completion`` ``response`` as the ``chat.completion.chunk`` objects OpenAI streams, all
+    at once: the role with the whole content, each tool call whole (its own chunk, with its
+    ``index``; the first in the role's chunk, content null, when the reply is only tool calls), an
+    empty delta with the finish reason, then, with ``include_usage``, ``choices: []`` with the usage
+    (the other chunks then carry ``usage: null``, as OpenAI's)."""
+    (choice,) = response["choices"]
+    message = choice["message"]
+    head = {"id": response["id"], "object": "chat.completion.chunk", "created": response["created"],
+            "model": response["model"]}
+    tail = {"usage": None} if include_usage else {}
+
+    def chunk(delta: dict, finish: str | None = None) -> dict:
+        return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **tail}
+
+    calls = [{"index": k, **c} for k, c in enumerate(message.get("tool_calls", []))]
+    first = {"role": "assistant", "content": message["content"]}
+    if message["content"] is None and calls:
+        first["tool_calls"], calls = calls[:1], calls[1:]
+    out = [chunk(first)] + [chunk({"tool_calls": [c]}) for c in calls] + [chunk({}, choice["finish_reason"])]
+    if include_usage:
+        out.append({**head, "choices": [], "usage": response["usage"]})
+    return out
 
 
 def _cut_at_stop(call: Call, stop: tuple[str, ...], tok) -> Call:

@@ -102,7 +102,18 @@ def _post(server, body, key=None, path="/v1/chat/completions"):
     ({"model": "solver"}, None, 400, "messages"),
     ({"model": "solver", "messages": [{"role": "robot", "content": "x"}]}, None, 400, "messages[0].role"),
     ({"model": "solver", "messages": [{"role": "user", "content": 3}]}, None, 400, "messages[0].content"),
-    ({"model": "solver", "messages": chat("x"), "stream": True}, None, 400, "stream"),
+    # streaming: a refused request is a JSON error before any stream starts, as OpenAI's
+    ({"model": "solver", "messages": chat("x"), "stream": True}, "sk-wrong", 401, "invalid_api_key"),
+    ({"model": "nobody", "messages": chat("x"), "stream": True}, None, 404, "model_not_found"),
+    ({"model": "solver", "stream": True}, None, 400, "messages"),
+    ({"model": "solver", "messages": chat("x"), "stream": True, "n": 2}, None, 400, "n"),
+    ({"model": "solver", "messages": chat("x"), "stream": "yes"}, None, 400, "stream"),
+    ({"model": "solver", "messages": chat("x"), "stream": True, "stream_options": 3}, None, 400, "stream_options"),
+    ({"model": "solver", "messages": chat("x"), "stream": True, "stream_options": {"include_usage": "yes"}}, None, 400,
+     "stream_options"),
+    ({"model": "solver", "messages": chat("x"), "stream_options": {"include_usage": True}}, None, 400,
+     "stream_options"),  # only with stream: true
+    ({"model": "solver", "messages": chat("x"), "stream": False, "stream_options": {}}, None, 400, "stream_options"),
     ({"model": "solver", "messages": chat("x"), "n": 2}, None, 400, "n"),
     ({"model": "solver", "messages": chat("x"), "temperature": 9}, None, 400, "temperature"),
     ({"model": "solver", "messages": chat("x"), "max_tokens": 0}, None, 400, "max_tokens"),
@@ -499,3 +510,104 @@ def test_bad_tools_get_openai_errors_and_the_endpoint_goes_on(server, body, para
     assert got == 400 and reply["error"]["param"] == param and reply["error"]["message"], reply
     ok, reply = _post(server, {"model": "solver", "messages": chat("Calculate 2 + 2.")})
     assert ok == 200
+
+
+# ---------------------------------------------------------------- streaming (stream: true)
+def _post_stream(server, body, path="/v1/chat/completions"):
+    """A streamed request over plain HTTP: its status, Content-Type and Server-Sent Events' data."""
+    req = urllib.request.Request(f"http://{server.host}:{server.port}{path}", data=json.dumps(body).encode(),
+                                 method="POST", headers={"Authorization": f"Bearer {server.api_key}",
+                                                         "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        text = r.read().decode()
+        events = text.split("\n\n")
+        assert events[-1] == "" and all(e.startswith("data: ") for e in events[:-1]), text
+        return r.status, r.headers["Content-Type"], [e[len("data: "):] for e in events[:-1]]
+
+
+def test_a_streamed_reply_is_the_unstreamed_one_in_chat_completion_chunks(server):
+    whole, call = _greedy(server, "whole")
+    ok, reply = _post(server, {"model": "solver", "messages": chat("Calculate 1 + 2."), "temperature": 0,
+                               "stream": False}, path="/episodes/whole/v1/chat/completions")
+    assert ok == 200 and reply["choices"][0] == whole  # stream: false (and null, _greedy's) as before
+    client = openai.OpenAI(base_url=server.base_url("streamed"), api_key=server.api_key)
+    chunks = list(client.chat.completions.create(model="solver", messages=chat("Calculate 1 + 2."), temperature=0,
+                                                 stream=True))
+    assert {(c.id, c.created, c.model, c.object) for c in chunks} == {
+        (chunks[0].id, chunks[0].created, "solver", "chat.completion.chunk")}
+    assert chunks[0].choices[0].delta.role == "assistant" and all(c.usage is None for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole["message"]["content"]
+    assert [c.choices[0].finish_reason for c in chunks][-1] == whole["finish_reason"]
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    (streamed,) = server.calls("streamed")
+    for name in ("messages", "prompt_ids", "response_ids", "text", "truncated", "sampling"):
+        assert getattr(streamed, name) == getattr(call, name), name
+    assert streamed.logprobs == pytest.approx(call.logprobs)
+    # include_usage: one more chunk, no choices, the usage of the unstreamed reply; the others usage null
+    ok, reply = _post(server, {"model": "solver", "messages": chat("Calculate 1 + 2."), "temperature": 0},
+                      path="/episodes/usage0/v1/chat/completions")
+    chunks = list(client.chat.completions.create(model="solver", messages=chat("Calculate 1 + 2."), temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump(exclude_none=True) == reply["usage"]
+    assert all(c.usage is None and len(c.choices) == 1 for c in chunks[:-1])
+    # on the wire: text/event-stream, data: lines, [DONE] last; include_usage false or null: no usage chunk
+    for options in ({"include_usage": False}, None, {}):
+        status, kind, data = _post_stream(server, {"model": "solver", "messages": chat("Calculate 1 + 2."),
+                                                   "temperature": 0, "stream": True, "stream_options": options})
+        assert status == 200 and kind.startswith("text/event-stream") and data[-1] == "[DONE]"
+        chunks = [json.loads(d) for d in data[:-1]]
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": whole["message"]["content"]}
+        assert chunks[-1]["choices"][0]["delta"] == {} and "usage" not in chunks[-1]
+        assert chunks[-1]["choices"][0]["finish_reason"] == whole["finish_reason"]
+
+
+def _langchain_message(chunks):
+    """The message LangChain's ChatOpenAI makes of streamed chunks: each delta as an AIMessageChunk, summed."""
+    messages = pytest.importorskip("langchain_core.messages")
+    from langchain_core.messages.tool import tool_call_chunk
+    total = None
+    for c in chunks:
+        for choice in c.choices:
+            d = choice.delta
+            part = messages.AIMessageChunk(content=d.content or "", tool_call_chunks=[
+                tool_call_chunk(name=t.function.name, args=t.function.arguments, id=t.id, index=t.index)
+                for t in d.tool_calls or []])
+            total = part if total is None else total + part
+    return total
+
+
+@pytest.mark.parametrize("text", [CALL_TEXT, CALL_TEXT.split("\n", 1)[1] + "\n" + CALL_TEXT.split("\n", 1)[1].replace(
+    '"a": 1', '"a": 5')])
+def test_a_streamed_tool_call_is_reassembled_by_the_openai_client(scripted, text):
+    # the second reply is only tool calls, two of them: content null, the first call with the role
+    server, engine, tok = scripted
+    engine.text = text
+    client = openai.OpenAI(base_url=server.base_url("tools"), api_key=server.api_key)
+    ask = {"model": "solver", "messages": chat("Add 1 and 2."), "tools": [ADD], "temperature": 0}
+    r = client.chat.completions.create(**ask).choices[0]
+    assert r.finish_reason == "tool_calls" and r.message.tool_calls, r
+    with client.chat.completions.stream(**ask) as stream:
+        events = list(stream)
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and final.message.content == r.message.content
+    assert [(t.type, t.function.name, json.loads(t.function.arguments)) for t in final.message.tool_calls] == [
+        (t.type, t.function.name, json.loads(t.function.arguments)) for t in r.message.tool_calls]
+    assert all(t.id.startswith("call_") for t in final.message.tool_calls)
+    assert len([e for e in events if e.type == "tool_calls.function.arguments.done"]) == len(r.message.tool_calls)
+    first, second = server.calls("tools")  # greedy: the same reply, recorded the same
+    assert first.text == second.text == text and second.response_ids == first.response_ids
+    # as LangChain accumulates the deltas (ChatOpenAI(streaming=True)): the same calls
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    message = _langchain_message(chunks)
+    assert message.content == (r.message.content or "")
+    assert [(c["name"], c["args"]) for c in message.tool_calls] == [
+        (t.function.name, json.loads(t.function.arguments)) for t in r.message.tool_calls]
+
+
+def test_chatopenai_streaming_gets_the_same_text(server):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    whole, _ = _greedy(server, "whole")
+    llm = langchain_openai.ChatOpenAI(model="solver", base_url=server.base_url("lc"), api_key=server.api_key,
+                                      temperature=0, streaming=True)
+    assert llm.invoke(chat("Calculate 1 + 2.")).content == whole["message"]["content"]
+    assert "".join(c.content for c in llm.stream(chat("Calculate 1 + 2."))) == whole["message"]["content"]
