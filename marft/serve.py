@@ -44,6 +44,10 @@ way (as ``<tool_call>`` and ``<tool_response>`` text without such a template). T
 recorded call keeps the prompt's ids as the engine rendered them and the reply's tokens as sampled,
 blocks included: the learner trains on the calls as the model wrote them.
 
+Structured output: a ``response_format`` of ``json_object`` or ``json_schema`` is asked for in the
+system message (the schema shown) and not enforced (no constrained sampling; one warning says so):
+the reply is what the model writes, and training can teach the format.
+
 Streaming: ``stream: true`` is answered with Server-Sent Events (``text/event-stream``) in OpenAI's
 ``chat.completion.chunk`` format, for the frameworks that stream by default or in common modes.
 Replies are generated whole, so the stream is sent once the reply is ready: the reply arrives at
@@ -364,6 +368,7 @@ class TeamServer:
             raise _Refused(400, f"n must be 1 (one reply per request), got {n!r}", param="n")
         messages = _messages(body.get("messages"))
         tools = _tools(body.get("tools"), body.get("tool_choice"))
+        response_format = _response_format(body.get("response_format"))
         sampling = self._sampling(agent, body)
         stop = _stop_strings(body.get("stop"))
         episode = request.path_params.get("episode", "default")
@@ -371,7 +376,7 @@ class TeamServer:
             index = self._counts.get(episode, 0)
             self._counts[episode] = index + 1
         # only the template's text is read here, not the tokenizer (which the generation thread uses)
-        chat = tool_calls.chat(messages, tools, self.tokenizer(agent))
+        chat = tool_calls.chat(messages, tools, self.tokenizer(agent), response_format)
         pending = _Pending(episode, index, agent, messages, chat, sampling, time.monotonic(),
                            asyncio.get_running_loop().create_future(), stop)
         self._pending.append(pending)
@@ -640,6 +645,23 @@ def _tools(tools, choice) -> list[dict] | None:
         seen.add(f["name"])
         out.append({"type": "function", "function": {key: v for key, v in f.items() if v is not None}})
     return out if out and choice != "none" else None
+
+
+def _response_format(fmt) -> dict | None:
+    """A request's ``response_format``: None for text (or none), the json_object / json_schema format
+    to ask for in the prompt (with one warning that it is not enforced), or a 400."""
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if fmt is None or kind == "text":
+        return None
+    schema = fmt.get("json_schema") if isinstance(fmt, dict) else None
+    if kind == "json_object" or (kind == "json_schema" and isinstance(schema, dict)
+                                 and isinstance(schema.get("schema", {}), dict)):
+        _warn_once("warning: a request asks for response_format " + kind + ": marft shows it to the model as an "
+                   "instruction (the schema in the system message) but does not constrain sampling to it")
+        return fmt
+    raise _Refused(400, "response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": "
+                        f"\"json_schema\", \"json_schema\": {{\"name\": ..., \"schema\": {{...}}}}}}, got {fmt!r}",
+                   param="response_format")
 
 
 def _stop_strings(stop) -> tuple[str, ...]:

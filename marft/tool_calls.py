@@ -1,7 +1,8 @@
 """OpenAI tool calling for the endpoint (:mod:`marft.serve`), in the convention most open models are
 trained on (Hermes, Qwen2.5): the model is shown the functions' JSON signatures, calls one by writing
 ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` and reads the result in a
-``<tool_response>`` block.
+``<tool_response>`` block. A request's structured-output ``response_format`` is asked for the same
+way, as an instruction in the system message (the schema shown, not enforced).
 
 A chat template that renders ``tools`` itself (a model trained on tool use ships one) is given the
 tools and the messages as transformers' templates take them (:class:`Chat`); for one that does not,
@@ -32,10 +33,15 @@ def template_shows_tools(tok) -> bool:
     return isinstance(template, str) and "tools" in template
 
 
-def chat(messages: list[dict], tools: list[dict] | None, tok) -> list[dict]:
+def chat(messages: list[dict], tools: list[dict] | None, tok, response_format: dict | None = None) -> list[dict]:
     """What the engine renders for ``messages`` (as :func:`marft.serve._messages` gives them) with
-    ``tools`` shown (None: none): ``messages`` themselves when nothing in them is about tools, so that
-    a chat without tools renders exactly as before."""
+    ``tools`` shown (None: none) and a structured-output ``response_format`` (json_object or
+    json_schema) asked for in the system message: ``messages`` themselves when nothing in them is
+    about tools or formats, so that such a chat renders exactly as before."""
+    if response_format:  # an instruction only: sampling is not constrained (marft.serve says so once)
+        schema = response_format.get("json_schema", {}).get("schema")
+        messages = _with_system(messages, "Reply with one JSON object and nothing else" + (
+            ", matching this JSON schema:\n" + json.dumps(schema, ensure_ascii=False) if schema else "."))
     if template_shows_tools(tok):
         return Chat(messages, tools) if tools else messages
     if not tools and all(m["role"] != "tool" and "tool_calls" not in m for m in messages):
@@ -60,11 +66,15 @@ def chat(messages: list[dict], tools: list[dict] | None, tok) -> list[dict]:
                      f"<tools>\n{listing}\n</tools>\n\nTo call one, write a JSON object with its name and arguments "
                      "in <tool_call></tool_call> tags, one block per call:\n<tool_call>\n"
                      '{"name": <function name>, "arguments": <its arguments as a JSON object>}\n</tool_call>')
-        if out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + paragraph}
-        else:
-            out.insert(0, {"role": "system", "content": paragraph})
+        out = _with_system(out, paragraph)
     return out
+
+
+def _with_system(messages: list[dict], paragraph: str) -> list[dict]:
+    """``messages`` with ``paragraph`` ending the system message (a new one first if there is none)."""
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": messages[0]["content"] + "\n\n" + paragraph}] + messages[1:]
+    return [{"role": "system", "content": paragraph}] + messages
 
 
 def _block(call: dict) -> str:

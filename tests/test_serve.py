@@ -480,6 +480,23 @@ def test_a_request_without_tools_renders_as_before(server, team_parts):
         assert server.calls(f"plain{i}")[0].prompt_ids == ids[0][mask[0]].tolist()
 
 
+def test_a_response_format_is_asked_for_in_the_system_message_and_text_changes_nothing(scripted, team_parts, capsys):
+    """Structured output is an instruction, not a constraint: the schema reaches the system message
+    (one warning says it is not enforced); ``type: text`` and null render as no format."""
+    server, engine, tok = scripted
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    formats = [{"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}},
+               {"type": "json_object"}, {"type": "text"}, None]
+    for fmt in formats:
+        ok, _ = _post(server, {"model": "solver", "messages": chat("Calculate 1 + 2."), "response_format": fmt})
+        assert ok == 200
+    schema_chat, object_chat, text_chat, none_chat = engine.chats[-4:]
+    assert schema_chat[0]["content"] == "Be brief.\n\nReply with one JSON object and nothing else, matching this JSON schema:\n" + json.dumps(schema)
+    assert object_chat[0]["content"] == "Be brief.\n\nReply with one JSON object and nothing else."
+    assert text_chat == none_chat == chat("Calculate 1 + 2.") and schema_chat[1:] == text_chat[1:]
+    assert "does not constrain sampling" in capsys.readouterr().err
+
+
 def _bad(**fields):
     return {"model": "solver", "messages": chat("x"), **fields}
 
@@ -496,6 +513,10 @@ NOT_JSON = {"id": "c1", "type": "function", "function": {"name": "add", "argumen
     (_bad(tools=[ADD], tool_choice="required"), "tool_choice"),
     (_bad(tools=[ADD], tool_choice={"type": "function", "function": {"name": "add"}}), "tool_choice"),
     (_bad(tools=[ADD], tool_choice=3), "tool_choice"),
+    (_bad(response_format={"type": "xml"}), "response_format"),
+    (_bad(response_format="json"), "response_format"),
+    (_bad(response_format={"type": "json_schema"}), "response_format"),
+    (_bad(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": "an object"}}), "response_format"),
     (_bad(messages=[{"role": "tool", "content": "3"}]), "messages[0].tool_call_id"),
     (_bad(messages=[{"role": "tool", "tool_call_id": "c1", "content": None}]), "messages[0].content"),
     (_bad(messages=[{"role": "assistant", "content": None}]), "messages[0].content"),
