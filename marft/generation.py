@@ -204,7 +204,7 @@ def _decode(model, tok, sampling, stop_ids, generator, prompt_ids, prompt_mask, 
     tokens, logps, valid = [], [], []
     done = torch.zeros(B, dtype=torch.bool, device=device)  # the reply has ended before this token
     ended = torch.zeros(B, dtype=torch.bool, device=device)  # ended by an end-of-turn token or stop string
-    texts_so_far = [""] * B if sampling.stop else None
+    texts_so_far = [[] for _ in range(B)] if sampling.stop else None  # each reply's token ids, for stop strings
     check = SYNC_EVERY if decoder is not None and texts_so_far is None else 1
     for step in range(R):
         live = ~done[rows]
@@ -570,14 +570,20 @@ def needed_work(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ma
                 logits=float(replies.sum()))
 
 
-def _stop_string_hit(tok, nxt, done, texts, stop_strings) -> torch.Tensor:
-    """Per-sequence check of user stop strings on the decoded reply so far (only when configured)."""
+def _stop_string_hit(tok, nxt, done, replies, stop_strings) -> torch.Tensor:
+    """Which replies a stop string ends at this token (only when configured): ``replies`` [B] the token
+    ids so far, ``nxt`` appended. The reply's tail is decoded as a whole, as its text is (a character
+    split across byte-level tokens is found at the token that completes it); a string that first
+    appears now ends in that token, so a tail of 4 tokens a character of the longest string (and a
+    few more) covers it."""
     hit = torch.zeros_like(done)
-    for b in range(len(texts)):
+    tail = 4 * max(map(len, stop_strings)) + 4
+    for b in range(len(replies)):
         if done[b]:
             continue
-        texts[b] += tok.decode([int(nxt[b])], skip_special_tokens=False)
-        if any(s in texts[b] for s in stop_strings):
+        replies[b].append(int(nxt[b]))
+        text = tok.decode(replies[b][-tail:], skip_special_tokens=True)
+        if any(s in text for s in stop_strings):
             hit[b] = True
     return hit
 

@@ -28,10 +28,10 @@ Sampling settings a request carries are honoured within the run's limits: ``max_
 ``max_completion_tokens``) at most the agent's reply limit (larger values are cut to it),
 ``temperature`` 0-2, ``top_p`` in (0, 1] (not in a workflow's rollouts, ``fixed_sampling``: there
 the run's temperature and top_p, which the learner's log-probabilities assume, with one warning),
-``stop`` (a string or a list of up to 4 non-empty strings: the reply's content ends before the first
-one, ``finish_reason`` "stop", as OpenAI's; the recorded call keeps the reply's tokens up to the one
-that completed it, with their log-probabilities, as vLLM keeps them; the batch is still generated to
-the reply limit and cut afterwards, so a stop string saves no generation time);
+``stop`` (a string or a list of up to 4 non-empty strings, beside the run's ``rollout.stop``: the
+engine ends the reply at the token that completes one, as vLLM does, and the recorded call keeps the
+tokens up to it with their log-probabilities; the content returned ends before the stop string,
+``finish_reason`` "stop", as OpenAI's; requests with other stop strings are other batches);
 everything else is the run's.
 
 Tools (:mod:`marft.tool_calls`): a request's ``tools`` are shown to the model (not with ``tool_choice``
@@ -116,7 +116,7 @@ class _Pending:
     sampling: Sampling
     started: float
     future: asyncio.Future = field(repr=False)
-    stop: tuple[str, ...] = ()  # the request's stop strings: not part of sampling, so that they do not split batches
+    stop: tuple[str, ...] = ()  # the request's own stop strings (also in sampling): the content returned ends before them
 
 
 class _Refused(Exception):
@@ -371,6 +371,8 @@ class TeamServer:
         response_format = _response_format(body.get("response_format"))
         sampling = self._sampling(agent, body)
         stop = _stop_strings(body.get("stop"))
+        if stop:  # the engine ends the reply at the token completing one (the run's own stop strings still count)
+            sampling = replace(sampling, stop=tuple(dict.fromkeys(sampling.stop + stop)))
         episode = request.path_params.get("episode", "default")
         with self._lock:
             index = self._counts.get(episode, 0)
@@ -494,10 +496,9 @@ class TeamServer:
         for row, p in enumerate(group):
             prompt = out.prompt_ids[row][out.prompt_mask[row]].tolist()
             mask = out.response_mask[row]
-            call = Call(p.episode, p.index, agent, p.messages, prompt, out.response_ids[row][mask].tolist(),
-                        out.logprobs[row][mask].tolist(), bool(out.truncated[row]), out.texts[row], sampling,
-                        p.started, done - p.started)
-            calls.append(_cut_at_stop(call, p.stop, self.tokenizer(agent)) if p.stop else call)
+            calls.append(Call(p.episode, p.index, agent, p.messages, prompt, out.response_ids[row][mask].tolist(),
+                              out.logprobs[row][mask].tolist(), bool(out.truncated[row]),
+                              _before_stop(out.texts[row], p.stop), sampling, p.started, done - p.started))
         return calls
 
 
@@ -726,21 +727,10 @@ def _chunks(response: dict, include_usage: bool = False) -> list[dict]:
     return out
 
 
-def _cut_at_stop(call: Call, stop: tuple[str, ...], tok) -> Call:
-    """``call`` ended where its reply first contains a stop string: the tokens up to the one that
-    completed it (what was sampled, and what the learner trains on; the end-of-turn token, which
-    decodes to nothing, is dropped with the rest) and the text before it. Prefixes are decoded as the
-    engines decode replies (without special tokens), so a string split across tokens is found at the
-    token that completes it."""
-    if not any(s in call.text for s in stop):
-        return call
-    for k in range(1, len(call.response_ids) + 1):  # the cut is usually early (a ReAct step's tool call)
-        text = tok.decode(call.response_ids[:k], skip_special_tokens=True)
-        at = min((i for s in stop if (i := text.find(s)) >= 0), default=-1)
-        if at >= 0:
-            return replace(call, response_ids=call.response_ids[:k], logprobs=call.logprobs[:k], truncated=False,
-                           text=text[:at])
-    return call
+def _before_stop(text: str, stop: tuple[str, ...]) -> str:
+    """A reply's text before the first of a request's stop strings, as OpenAI returns it (the engine
+    ended the reply at the token that completed it: those tokens are what the learner trains on)."""
+    return text[:min((i for x in stop if (i := text.find(x)) >= 0), default=len(text))]
 
 
 def serve_team(models, team, engine, sampling: Sampling, **kw) -> TeamServer:

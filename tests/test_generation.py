@@ -75,7 +75,7 @@ def plain_generate(model, tok, chats, sampling, stop_ids, generator):
     past, logits = getattr(out, _CACHE), out.logits[:, -1]
     tokens, logps, valid = [], [], []
     done = torch.zeros(B, dtype=torch.bool)
-    texts = [""] * B
+    texts = [[] for _ in range(B)]
     for _ in range(sampling.max_new_tokens):
         logp = F.log_softmax(logits.float() / temp, dim=-1)
         if sampling.temperature > 0:

@@ -191,22 +191,22 @@ def test_a_stop_string_cuts_the_reply_before_it_and_the_recorded_call_after_the_
             (full.response_ids, full.logprobs, full.truncated, full.text)
 
 
-def test_a_stop_string_is_found_in_the_decoded_prefix_and_drops_the_end_of_turn_token(team_parts):
-    # "é" is two byte-level tokens (neither decodes to it alone); a stop string that ends the text
-    # leaves the end-of-turn token after it out of the call
-    from marft.serve import Call, _cut_at_stop
+def test_a_stop_string_split_across_byte_tokens_ends_the_reply_at_the_token_completing_it(team_parts):
+    # "é" is two byte-level tokens, neither of which decodes to it alone (the check decoded each token
+    # on its own, and missed it)
+    from marft.generation import _stop_string_hit
 
     tok = team_parts[1].for_agent("solver")[1]
-    ids = tok.encode("The answer é is 19.", add_special_tokens=False) + [tok.eos_token_id]
-    call = Call("e", 0, "solver", chat("x"), [1, 2], ids, [-0.5] * len(ids), False,
-                tok.decode(ids, skip_special_tokens=True), SAMPLING, 0.0, 0.0)
-    cut = _cut_at_stop(call, ("é",), tok)
-    assert cut.text == "The answer " and tok.decode(cut.response_ids).endswith("é")
-    assert cut.response_ids == ids[:len(cut.response_ids)] and "é" not in tok.decode(cut.response_ids[:-1])
-    assert len(tok.encode("é", add_special_tokens=False)) == 2 and len(cut.logprobs) == len(cut.response_ids)
-    end = _cut_at_stop(call, ("19.",), tok)
-    assert end.response_ids == ids[:-1] and end.logprobs == call.logprobs[:-1] and end.text == "The answer é is "
-    assert _cut_at_stop(call, ("20",), tok) is call
+    ids = tok.encode("The answer é is 19.", add_special_tokens=False)
+    assert len(tok.encode("é", add_special_tokens=False)) == 2
+    replies, done, ends = [[]], torch.zeros(1, dtype=torch.bool), []
+    for k, t in enumerate(ids):
+        if _stop_string_hit(tok, torch.tensor([t]), done, replies, ("é", "nowhere"))[0]:
+            ends.append(k)
+    first = ends[0]
+    assert "é" in tok.decode(ids[:first + 1]) and "é" not in tok.decode(ids[:first])
+    from marft.serve import _before_stop
+    assert _before_stop("The answer é is 19.", ("is", "é")) == "The answer " and _before_stop("ab", ("c",)) == "ab"
 
 
 @pytest.mark.parametrize("method,path,status,allow", [
