@@ -22,6 +22,10 @@ than 40 characters (a name longer than 150) is cut to its start and a hash of th
 every time, and what ``--dry-run`` lists. Two runs whose names would be the same folder (values
 ``'Say hi!'`` and ``'Say hi?'``) are an error: give them labels (a mapping ``label: value``).
 Before anything runs, every run's config is loaded and checked, so a wrong key fails the sweep at once.
+A value may name the run's labels: ``${seed}``, ``${algorithm}`` (any axis of its grid) become the
+run's label on that axis, in ``overrides`` as in a grid's values, e.g. ``model.init_adapters:
+{solver: results/duo/algorithm-${algorithm}__seed-${seed}/checkpoints/iter_000050/adapters/solver}``
+to start each run from an earlier sweep's run of the same labels.
 
 Runs go one after another, or ``parallel`` at a time with ``threads`` torch threads each (0: the
 machine's cores divided among them). A run whose folder holds ``eval_final.json`` is complete and
@@ -189,14 +193,16 @@ def load_sweep(path: str | Path) -> Sweep:
     parallel, threads = data.get("parallel", 1), data.get("threads", 0)
     if not isinstance(parallel, int) or parallel < 1 or not isinstance(threads, int) or threads < 0:
         raise UserError(f"sweep file {p}: parallel must be a positive integer and threads 0 or more")
-    sweep = Sweep(p, output_dir, base, parallel, threads, _as_overrides(data.get("overrides"), "overrides"))
+    common = _as_overrides(data.get("overrides"), "overrides")
+    templated = [o for o in common if "${" in o]  # filled per run (their labels), before the grid's own
+    sweep = Sweep(p, output_dir, base, parallel, threads, [o for o in common if "${" not in o])
     seen: dict[str, Run] = {}
     for gi, grid in enumerate(grids):
         axes = [(str(name), _axis(str(name), values, f"grids.{gi}")) for name, values in grid.items()]
         for combo in itertools.product(*[values for _, values in axes]):
             labels = {name: label for (name, _), (label, _) in zip(axes, combo)}
             name = run_name(labels)
-            overrides = [o for _, ov in combo for o in ov]
+            overrides = _fill([*templated, *(o for _, ov in combo for o in ov)], labels, f"grids.{gi}")
             if name in seen:  # the same run again (grids are unioned), or two runs that would share a folder
                 _same_run(seen[name], labels, overrides)
                 continue
@@ -211,6 +217,17 @@ def load_sweep(path: str | Path) -> Sweep:
         except UserError as e:
             raise UserError(f"sweep run {run.name}: {e}") from None
     return sweep
+
+
+def _fill(overrides: list[str], labels: dict[str, str], where: str) -> list[str]:
+    """``${axis}`` in a run's overrides is the run's label on that axis (``${seed}``, ``${algorithm}``),
+    so that one grid can point each run at files of its own (an earlier sweep's run of the same labels)."""
+    def label(m: re.Match) -> str:
+        if m.group(1) not in labels:
+            raise UserError(f"sweep: {where}: {m.group(0)} names no axis of this grid (its axes: {', '.join(labels)})")
+        return labels[m.group(1)]
+
+    return [re.sub(r"\$\{([^{}]*)\}", label, o) for o in overrides]
 
 
 def _same_run(first: Run, labels: dict[str, str], overrides: list[str]) -> None:

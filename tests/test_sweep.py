@@ -56,7 +56,35 @@ def test_grids_expand_and_union(tmp_path):
     assert sweep.common == ["train.iterations=2"]
 
 
+def test_a_value_may_name_the_runs_labels(tmp_path):
+    """``${axis}`` in overrides and grid values is the run's label on that axis: each run can start
+    from an earlier sweep's run of the same labels."""
+    text = """
+output_dir: {out}
+base: {base}
+overrides:
+  model.init_adapters:
+    planner: duo/algorithm-${{algorithm}}__seed-${{seed}}/adapters/planner
+  train.iterations: 2
+grid:
+  algorithm:
+    marft: {{train.algorithm: marft}}
+    ps: {{team.share_adapter: true, model.init_adapters: {{team: "duo/algorithm-${{algorithm}}__seed-${{seed}}/team"}}}}
+  seed: [0, 3]
+"""
+    sweep = load_sweep(write(tmp_path / "s.yaml", text.format(out=tmp_path / "out", base=ROOT / "configs/duo_arithmetic.yaml")))
+    assert sweep.common == ["train.iterations=2"]
+    first, *_, last = sweep.runs
+    assert first.overrides == ["model.init_adapters={planner: 'duo/algorithm-marft__seed-0/adapters/planner'}",
+                               "train.algorithm=marft", "seed=0"]
+    assert last.overrides[-2:] == ["model.init_adapters={team: 'duo/algorithm-ps__seed-3/team'}", "seed=3"]
+    from marft.config import load_config  # the grid's value comes later: it is the one in force
+    assert load_config(sweep.base, [*sweep.common, *last.overrides]).model.init_adapters == {"team": "duo/algorithm-ps__seed-3/team"}
+
+
 @pytest.mark.parametrize("text,message", [
+    ("output_dir: o\nbase: configs/duo_arithmetic.yaml\ngrid: {seed: [0]}\noverrides: {train.lr: '${sed}'}\n",
+     "grids.0: ${sed} names no axis of this grid (its axes: seed)"),
     ("output_dir: o\nbase: configs/duo_arithmetic.yaml\ngrid: {rollout.temprature: [1]}\n",
      "sweep run rollout.temprature-1: config: unknown key 'rollout.temprature'"),
     ("output_dir: o\nbase: configs/duo_arithmetic.yaml\ngrid: {seed: []}\n", "grids.0.seed is an empty list"),
