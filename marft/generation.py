@@ -576,16 +576,16 @@ def _stop_string_hit(tok, nxt, done, replies, stop_strings) -> torch.Tensor:
     split across byte-level tokens is found at the token that completes it); a string that first
     appears now ends in that token, so a tail of 4 tokens a character of the longest string (and a
     few more) covers it."""
-    hit = torch.zeros_like(done)
     tail = 4 * max(map(len, stop_strings)) + 4
-    for b in range(len(replies)):
-        if done[b]:
+    hit = []
+    for b, (token, finished) in enumerate(zip(nxt.tolist(), done.tolist())):  # one device read a step, not one a row
+        if finished:
+            hit.append(False)
             continue
-        replies[b].append(int(nxt[b]))
+        replies[b].append(token)
         text = tok.decode(replies[b][-tail:], skip_special_tokens=True)
-        if any(s in text for s in stop_strings):
-            hit[b] = True
-    return hit
+        hit.append(any(s in text for s in stop_strings))
+    return torch.tensor(hit, dtype=torch.bool, device=done.device)
 
 
 def sequence_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask,

@@ -62,10 +62,12 @@ Errors are OpenAI-shaped
 JSON (``{"error": {"message", "type", "param", "code"}}``) with a 4xx status, never a crash of the
 run: a wrong or missing key (401), an unknown model or path (404), a wrong method (405), a malformed
 body (malformed ``tools``, ``tool_choice`` or ``stream_options`` included, and ``stream_options``
-without ``stream: true``, as OpenAI's), ``n`` other than 1 or a prompt longer than the model's context
-(400). A field sent as ``null`` is a field not sent (``n: null`` is 1, ``max_completion_tokens: null``
-leaves ``max_tokens`` in force). A host that is not an address of this machine, or a port in use, is a
-:class:`marft.errors.UserError` from :meth:`TeamServer.start` saying which.
+without ``stream: true``, as OpenAI's; JSON nested too deeply), ``n`` other than 1, messages the agent's
+chat template cannot render (that request alone, not its batch) or a prompt longer than the model's
+context (vLLM's ``max_model_len`` where shorter) (400). A field sent as ``null`` is a field not sent
+(``n: null`` is 1, ``max_completion_tokens: null`` leaves ``max_tokens`` in force). A host that is not
+an address of this machine, or a port in use, is a :class:`marft.errors.UserError` from
+:meth:`TeamServer.start` saying which.
 """
 from __future__ import annotations
 
@@ -299,6 +301,8 @@ class TeamServer:
                 out = await handler(request)
             except _Refused as e:
                 return refused(e)
+            except RecursionError:  # JSON nested past what json, repr and the templates can walk
+                return refused(_Refused(400, "the request body is nested too deeply"))
             if isinstance(out, _Events):  # stream: true; the reply is whole by now, so is the stream
                 return StreamingResponse(iter(out), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
@@ -354,7 +358,7 @@ class TeamServer:
     async def _chat(self, request) -> dict | _Events:
         try:
             body = json.loads(await request.body())
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise _Refused(400, f"the request body is not JSON: {e}") from None
         if not isinstance(body, dict):
             raise _Refused(400, "the request body must be a JSON object")
@@ -466,9 +470,17 @@ class TeamServer:
             if self._pending:
                 self._wake.set()
 
-    def _too_long(self, agent: str, p: _Pending) -> _Refused | None:
+    def _refusal(self, agent: str, p: _Pending) -> _Refused | None:
+        """A 400 for a chat that cannot be generated: one the agent's chat template rejects (roles out
+        of the order it allows, more tool calls than it takes, ...), so that it fails alone, not its
+        whole batch, or a prompt over the context; None for one that can."""
         tok = self.tokenizer(agent)
-        ids = tok(_render(tok, p.chat), add_special_tokens=False)["input_ids"]  # as the engines encode it
+        try:
+            text = _render(tok, p.chat)
+        except Exception as e:  # noqa: BLE001 - jinja's own errors, and the template's raise_exception
+            return _Refused(400, f"{agent}'s chat template cannot render these messages ({type(e).__name__}: "
+                                 f"{str(e)[:300]})", param="messages")
+        ids = tok(text, add_special_tokens=False)["input_ids"]  # as the engines encode it
         limit = self.context(agent)
         if len(ids) + p.sampling.max_new_tokens <= limit:
             return None
@@ -479,8 +491,8 @@ class TeamServer:
     def _generate(self, agent: str, sampling: Sampling, group: list[_Pending]) -> list[Call | _Refused]:
         """One batch, in the generation thread (the pump's or the worker's): the tokenizer is used
         only there, one call at a time (a fast tokenizer used from two threads at once fails), first
-        to refuse prompts over the context."""
-        refused = {id(p): r for p in group if (r := self._too_long(agent, p)) is not None}
+        to refuse chats that cannot be generated (:meth:`_refusal`)."""
+        refused = {id(p): r for p in group if (r := self._refusal(agent, p)) is not None}
         ok = [p for p in group if id(p) not in refused]
         calls = {id(p): c for p, c in zip(ok, self._generated(agent, sampling, ok))} if ok else {}
         return [refused.get(id(p)) or calls[id(p)] for p in group]
@@ -611,7 +623,7 @@ def _tool_calls(calls, i: int) -> list[dict]:
     for k, c in enumerate(calls):
         f = c.get("function") if isinstance(c, dict) else None
         args = f.get("arguments") if isinstance(f, dict) else None
-        with contextlib.suppress(ValueError):
+        with contextlib.suppress(ValueError, RecursionError):
             args = json.loads(args) if isinstance(args, str) else args
         if not (isinstance(f, dict) and isinstance(f.get("name"), str) and isinstance(args, dict)
                 and c.get("type", "function") == "function"):
@@ -740,8 +752,9 @@ def serve_team(models, team, engine, sampling: Sampling, **kw) -> TeamServer:
     def tokenizer(agent: str):
         return models.for_agent(agent)[1]
 
-    def context(agent: str) -> int:
+    def context(agent: str) -> int:  # the model's positions, within an engine's own limit (vLLM's max_model_len)
         model = models.for_agent(agent)[0]
-        return int(getattr(model.config, "max_position_embeddings", 0) or 2**31)
+        return min(int(getattr(model.config, "max_position_embeddings", 0) or 2**31),
+                   getattr(engine, "max_model_len", None) or 2**31)
 
     return TeamServer(team, engine, sampling, tokenizer, context, **kw)

@@ -39,7 +39,7 @@ def chat(messages: list[dict], tools: list[dict] | None, tok, response_format: d
     json_schema) asked for in the system message: ``messages`` themselves when nothing in them is
     about tools or formats, so that such a chat renders exactly as before."""
     if response_format:  # an instruction only: sampling is not constrained (marft.serve says so once)
-        schema = response_format.get("json_schema", {}).get("schema")
+        schema = response_format["json_schema"].get("schema") if response_format["type"] == "json_schema" else None
         messages = _with_system(messages, "Reply with one JSON object and nothing else" + (
             ", matching this JSON schema:\n" + json.dumps(schema, ensure_ascii=False) if schema else "."))
     if template_shows_tools(tok):

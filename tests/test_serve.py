@@ -122,6 +122,7 @@ def _post(server, body, key=None, path="/v1/chat/completions"):
     ({"model": "solver", "messages": chat("x"), "stop": ["a", ""]}, None, 400, "stop"),
     ({"model": "solver", "messages": chat("x"), "stop": 3}, None, 400, "stop"),
     ({"model": "solver", "messages": chat("word " * 3000)}, None, 400, "context_length_exceeded"),
+    (b"[" * 100000 + b"]" * 100000, None, 400, None),  # was a 500: json's RecursionError is no ValueError
 ])
 def test_bad_requests_get_openai_errors_and_the_endpoint_goes_on(server, body, key, status, code_or_param):
     got, reply = _post(server, body, key)
@@ -525,12 +526,95 @@ NOT_JSON = {"id": "c1", "type": "function", "function": {"name": "add", "argumen
     (_bad(messages=[{"role": "assistant", "tool_calls": [NOT_JSON]}]), "messages[0].tool_calls[0]"),
     (_bad(messages=[{"role": "assistant", "tool_calls": [{"id": "c1", "type": "function"}]}]),
      "messages[0].tool_calls[0]"),
+    (_bad(messages=[{"role": "assistant", "tool_calls": [{"id": "c1", "function": {  # was a 500 (RecursionError)
+        "name": "add", "arguments": "[" * 100000 + "]" * 100000}}]}]), "messages[0].tool_calls[0]"),
 ])
 def test_bad_tools_get_openai_errors_and_the_endpoint_goes_on(server, body, param):
     got, reply = _post(server, body)
     assert got == 400 and reply["error"]["param"] == param and reply["error"]["message"], reply
     ok, reply = _post(server, {"model": "solver", "messages": chat("Calculate 2 + 2.")})
     assert ok == 200
+
+
+def test_a_json_object_format_with_a_stray_json_schema_key_is_a_json_object(scripted):
+    # was a 500: the schema was read from "json_schema" whatever the type ('int' object has no attribute 'get')
+    server, engine, tok = scripted
+    for stray in (3, None, {"schema": {"type": "object"}}):
+        ok, reply = _post(server, {"model": "solver", "messages": chat("Calculate 1 + 2."),
+                                   "response_format": {"type": "json_object", "json_schema": stray}})
+        assert ok == 200, reply
+        assert engine.chats[-1][0]["content"] == "Be brief.\n\nReply with one JSON object and nothing else."
+
+
+def test_json_nested_past_what_the_server_can_walk_is_a_400(server, monkeypatch):
+    # nesting json.loads accepts can still overflow the stack later (the tools' listing, an error's repr)
+    import marft.serve
+
+    def overflow(*args, **kwargs):
+        raise RecursionError("maximum recursion depth exceeded while encoding a JSON object")
+
+    monkeypatch.setattr(marft.serve.tool_calls, "chat", overflow)
+    got, reply = _post(server, _bad(tools=[ADD]))
+    assert got == 400 and "nested too deeply" in reply["error"]["message"], reply  # was a 500
+
+
+RAISING_TEMPLATE = TOOL_TEMPLATE.replace("{% for m in messages %}", "{% for m in messages %}{% if 'BOOM' in m.content %}"
+                                         "{{ raise_exception('Conversation roles must alternate') }}"
+                                         "{% endif %}")
+
+
+def test_messages_the_chat_template_rejects_fail_alone_not_their_batch(team_parts):
+    # a template's raise_exception (roles out of order, more tool calls than it takes) failed the whole
+    # batch with a 500 "generation failed": every other episode's request with it
+    team, models, engine = team_parts
+    tok = models.for_agent("solver")[1]
+    before = tok.chat_template
+    tok.chat_template = RAISING_TEMPLATE
+    got = {}
+    try:
+        with serve_team(models, team, engine, SAMPLING, ready=lambda n: n == 2) as server:
+            def ask(episode, text):
+                got[episode] = _post(server, {"model": "solver", "messages": chat(text)},
+                                     path=f"/episodes/{episode}/v1/chat/completions")
+
+            asks = (("bad", "BOOM"), ("good", "Calculate 1 + 2."))
+            threads = [threading.Thread(target=ask, args=a) for a in asks]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=60)
+            assert server.batches == [("solver", 1)] and server.calls("bad") == [] and len(server.calls("good")) == 1
+    finally:
+        tok.chat_template = before
+    status, reply = got["bad"]
+    assert status == 400 and reply["error"]["param"] == "messages", reply
+    assert "Conversation roles must alternate" in reply["error"]["message"]
+    status, reply = got["good"]
+    assert status == 200 and reply["choices"][0]["message"]["role"] == "assistant", reply
+
+
+class _Capped:
+    """The real engine with a context limit of its own, as vLLM's max_model_len."""
+
+    def __init__(self, engine, max_model_len):
+        self.engine, self.max_model_len = engine, max_model_len
+
+    def generate(self, agent, chats, sampling, generator=None):
+        # vLLM's submit raises mid-batch (a 500 for the batch), leaving the requests before it in the engine
+        raise AssertionError("a prompt over the engine's limit reached it")
+
+    def flops(self, agent, out):
+        return 0.0
+
+
+def test_a_prompt_over_the_engines_own_limit_is_refused_as_over_the_context(team_parts):
+    # the context was the model's max_position_embeddings (2048 here, 32768 for Qwen2.5) even on vLLM,
+    # whose max_model_len (4096 by default) is less: its UserError failed the batch with a 500
+    team, models, engine = team_parts
+    with serve_team(models, team, _Capped(engine, 64), SAMPLING) as server:
+        got, reply = _post(server, {"model": "solver", "messages": chat("word " * 60)})
+    assert got == 400 and reply["error"]["code"] == "context_length_exceeded", reply
+    assert "maximum context length is 64 tokens" in reply["error"]["message"]
 
 
 # ---------------------------------------------------------------- streaming (stream: true)
