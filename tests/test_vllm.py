@@ -7,6 +7,7 @@ weights give the same tokens."""
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 
 import pytest
 import torch
@@ -167,6 +168,17 @@ def test_the_endpoint_serves_the_team_through_the_vllm_engine(setup):
         calls = server.calls("e")
         assert [c.agent for c in calls] == team.names
         assert all(len(c.logprobs) == len(c.response_ids) > 0 for c in calls)
+        # a stop string: vLLM ends the reply at the token completing it, as the HF engine does; the
+        # content returned ends before it
+        whole = calls[-1]
+        stop = whole.text[len(whole.text) // 2:len(whole.text) // 2 + 2]
+        r = client.chat.completions.create(model=team.names[-1], messages=CHATS[1], temperature=0.0, stop=stop)
+        cut = server.calls("e")[-1]
+        assert r.choices[0].message.content == whole.text[:whole.text.index(stop)] and r.choices[0].finish_reason == "stop"
+        k = len(cut.response_ids)
+        assert 0 < k < len(whole.response_ids) and cut.response_ids == whole.response_ids[:k]
+    hf = HFEngine(models).generate(team.names[-1], [CHATS[1]], replace(GREEDY, stop=(stop,)), torch.Generator().manual_seed(0))
+    assert hf.response_ids[0][hf.response_mask[0]].tolist() == cut.response_ids
 
 
 def test_a_workflow_plays_on_the_vllm_engine_as_on_the_hf_engine(setup):
