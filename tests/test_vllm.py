@@ -71,6 +71,21 @@ def test_greedy_replies_equal_the_hf_engines(setup):
         assert torch.allclose(v.logprobs, h.logprobs, atol=1e-3)
 
 
+def test_a_batch_refused_halfway_leaves_nothing_for_the_next_one(setup):
+    """A prompt over max_model_len in the middle of a batch raises; the requests already submitted
+    are aborted, so the next batch gets its own replies (it used to collect the stale ones)."""
+    from marft.errors import UserError
+
+    team, models, engine = setup
+    agent = team.names[-1]
+    too_long = [{"role": "user", "content": "many words " * 400}]
+    with pytest.raises(UserError, match="max_model_len"):
+        engine.generate(agent, [CHATS[0], too_long, CHATS[1]], GREEDY, torch.Generator().manual_seed(0))
+    assert not engine._pending
+    got = engine.generate(agent, [CHATS[1], CHATS[2]], GREEDY, torch.Generator().manual_seed(0))
+    assert got.texts == HFEngine(models).generate(agent, [CHATS[1], CHATS[2]], GREEDY, torch.Generator().manual_seed(0)).texts
+
+
 def test_each_agent_follows_its_own_adapter_and_updates_reach_the_engine(setup):
     team, models, engine = setup
     planner, solver = team.names

@@ -181,12 +181,22 @@ class VLLMEngine(Engine):
     def generate(self, agent: str, chats: list[list[dict]], sampling: Sampling,
                  generator: torch.Generator | None = None) -> Generated:
         seeds = torch.randint(2**31, (len(chats),), generator=generator).tolist()
-        for i, (chat, seed) in enumerate(zip(chats, seeds)):
-            self.submit(i, agent, chat, sampling, seed)
-        got: dict[int, Reply] = {}
-        while len(got) < len(chats):
-            got.update(self.collect())
+        before = set(self._pending)
+        try:
+            for i, (chat, seed) in enumerate(zip(chats, seeds)):
+                self.submit(i, agent, chat, sampling, seed)
+            got: dict[int, Reply] = {}
+            while len(got) < len(chats):
+                got.update(self.collect())
+        except BaseException:  # a prompt refused halfway, or Ctrl-C: the next call must not collect this one's replies
+            self._abort(set(self._pending) - before)
+            raise
         return pack([got[i] for i in range(len(chats))], self.pad_id)
+
+    def _abort(self, request_ids) -> None:
+        for rid in request_ids:
+            base = self._pending.pop(rid)[0]
+            self.llms[base].llm_engine.abort_request([rid])
 
     def flops(self, agent: str, out: Generated) -> float:
         model, _, _ = self.models.for_agent(agent)
