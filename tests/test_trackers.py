@@ -96,6 +96,10 @@ def test_tensorboard_tags_and_resume_purge(tmp_path):
     assert "stopped" not in got and "note" not in got  # bools and text are not scalars
     assert got["reward"] == [(1, 0.1), (2, 0.2), (3, 0.3)]
     assert got["eval/accuracy"] == [(3, 0.5)]
+    # a resumed run is a new process at a later second; in one process within one second the two event
+    # files' names differ only in a per-process counter that TensorBoard sorts as text ("...9" after
+    # "...10"), which read them in the wrong order once enough writers had been made before this test
+    time.sleep(1.01 - time.time() % 1)
     t = Trackers(cfg, tmp_path, 3)  # resumed from the checkpoint of iteration 2: iteration 3 is redone
     t.log_metrics({**_metrics(3), "reward": 0.9}, 3)
     t.close()
