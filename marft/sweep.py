@@ -227,7 +227,23 @@ def _fill(overrides: list[str], labels: dict[str, str], where: str) -> list[str]
             raise UserError(f"sweep: {where}: {m.group(0)} names no axis of this grid (its axes: {', '.join(labels)})")
         return labels[m.group(1)]
 
-    return [re.sub(r"\$\{([^{}]*)\}", label, o) for o in overrides]
+    def fill(v):  # in the value's strings, then written again: a label is quoted as YAML needs
+        if isinstance(v, str):
+            return re.sub(r"\$\{([^{}]*)\}", label, v)
+        if isinstance(v, dict):
+            return {k: fill(x) for k, x in v.items()}
+        return [fill(x) for x in v] if isinstance(v, list) else v
+
+    out = []
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if "${" in value:
+            try:
+                value = _yaml_value(fill(yaml.safe_load(value)))
+            except yaml.YAMLError:
+                value = fill(value)
+        out.append(f"{key}={value}")
+    return out
 
 
 def _same_run(first: Run, labels: dict[str, str], overrides: list[str]) -> None:

@@ -75,9 +75,13 @@ grid:
     sweep = load_sweep(write(tmp_path / "s.yaml", text.format(out=tmp_path / "out", base=ROOT / "configs/duo_arithmetic.yaml")))
     assert sweep.common == ["train.iterations=2"]
     first, *_, last = sweep.runs
-    assert first.overrides == ["model.init_adapters={planner: 'duo/algorithm-marft__seed-0/adapters/planner'}",
+    assert first.overrides == ["model.init_adapters={planner: duo/algorithm-marft__seed-0/adapters/planner}",
                                "train.algorithm=marft", "seed=0"]
-    assert last.overrides[-2:] == ["model.init_adapters={team: 'duo/algorithm-ps__seed-3/team'}", "seed=3"]
+    assert last.overrides[-2:] == ["model.init_adapters={team: duo/algorithm-ps__seed-3/team}", "seed=3"]
+    from marft.sweep import _fill
+    import yaml
+    filled = _fill(["model.init_adapters={a: 'x/${seed}/a'}", "output_note=${seed}"], {"seed": "it's"}, "g")
+    assert yaml.safe_load(filled[0].partition("=")[2]) == {"a": "x/it's/a"} and filled[1] == "output_note=it's"
     from marft.config import load_config  # the grid's value comes later: it is the one in force
     assert load_config(sweep.base, [*sweep.common, *last.overrides]).model.init_adapters == {"team": "duo/algorithm-ps__seed-3/team"}
 
