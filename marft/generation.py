@@ -204,8 +204,8 @@ def _decode(model, tok, sampling, stop_ids, generator, prompt_ids, prompt_mask, 
     tokens, logps, valid = [], [], []
     done = torch.zeros(B, dtype=torch.bool, device=device)  # the reply has ended before this token
     ended = torch.zeros(B, dtype=torch.bool, device=device)  # ended by an end-of-turn token or stop string
-    texts_so_far = [[] for _ in range(B)] if sampling.stop else None  # each reply's token ids, for stop strings
-    check = SYNC_EVERY if decoder is not None and texts_so_far is None else 1
+    reply_ids = [[] for _ in range(B)] if sampling.stop else None  # each reply's token ids, for stop strings
+    check = SYNC_EVERY if decoder is not None and reply_ids is None else 1
     for step in range(R):
         live = ~done[rows]
         u = uniforms.step(step, rows) if uniforms is not None else None
@@ -215,8 +215,8 @@ def _decode(model, tok, sampling, stop_ids, generator, prompt_ids, prompt_mask, 
         valid.append(_scatter(live, rows, B, False))
         logps.append(_scatter(logp * live, rows, B, 0.0))
         hit = valid[-1] & torch.isin(tokens[-1], stops)
-        if texts_so_far is not None:
-            hit |= _stop_string_hit(tok, tokens[-1], done, texts_so_far, sampling.stop)
+        if reply_ids is not None:
+            hit |= _stop_string_hit(tok, tokens[-1], done, reply_ids, sampling.stop)
         ended |= hit
         done = done | hit
         if step == R - 1 or ((step + 1) % check == 0 and bool(done.all())):  # the last token is not fed back
