@@ -110,7 +110,11 @@ def main() -> None:
                 ("static loop, CUDA graph, the model's sdpa attention", {"static": True}, False, "layers"),
                 ("static loop, no CUDA graph, grouped attention", {"static": True, "graphs": False}, True, "layers"),
                 ("the CPU's loop (dynamic cache, compaction)", {"static": False}, True, "layers"),
-                ("static loop, CUDA graph, grouped attention, adapters off (base model)", {"static": True}, True, "reference")]
+                ("static loop, CUDA graph, grouped attention, adapters off (base model)", {"static": True}, True, "reference"),
+                # last: the warm-up compiles (dynamic shapes: once for every batch size)
+                ("marft's GPU default, step compiled (rollout.compile)", {"static": True, "compile": True}, True, "layers"),
+                ("the same, adapter folded (rollout.compile + rollout.fold_adapters)", {"static": True, "compile": True}, True,
+                 "folded")]
 
     def gap(out) -> float:
         """Mean |sampler - learner| log-probability of the sampled tokens: the learner scores them

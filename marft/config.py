@@ -207,6 +207,13 @@ class RolloutConfig:
     learner still scores through the adapter layers: ``rollout/logprob_gap`` shows the gap). Off by
     default until a GPU run has measured both; never folded where it would be wrong (tied or
     embedding adapters, quantised weights)."""
+    compile: bool = False
+    """HF engine: compile the decode step with ``torch.compile`` (dynamic shapes, so once per model
+    and acting adapter, not per batch) and run the static decode loop, on a CPU too. Fusing a step's
+    norms, rotary embeddings, activations and the adapters' casts is what a GPU's kernel-bound
+    decode step needs (docs/gpu.md); the first call compiles (tens of seconds to minutes). Off by
+    default until a GPU run has measured it; where the step cannot be compiled it runs as it is,
+    with one warning."""
     env_timeout_s: float = 300.0
     """Longest an environment's ``reset`` or ``step`` (its grading) may take; past it the episode
     fails (left out of training, counted in ``episodes/failed``) instead of the run. At most 86400
@@ -592,6 +599,8 @@ def validate(cfg: RunConfig) -> None:
     _check(r.schedule in ("barrier", "async"), f"rollout.schedule must be barrier or async, got {r.schedule!r}")
     _check(r.schedule == "barrier" or r.engine == "vllm",
            "rollout.schedule async needs rollout.engine=vllm (the hf engine generates one batch per agent turn)")
+    _check(not (r.compile and r.engine == "vllm"),
+           "rollout.compile is the hf engine's; vLLM compiles its own steps: set rollout.vllm.enforce_eager=false instead")
     v = r.vllm
     _check(0 < v.gpu_memory_utilization <= 1, f"rollout.vllm.gpu_memory_utilization must be in (0, 1], got {v.gpu_memory_utilization}")
     _check(v.kv_cache_gb >= 1, f"rollout.vllm.kv_cache_gb must be a whole number of GiB, at least 1, got {v.kv_cache_gb}")

@@ -148,7 +148,7 @@ SYNC_EVERY = 16  # static decoding: steps between checks (a host synchronisation
 def generate(model, tok, chats: list[list[dict]], sampling: Sampling, stop_ids: list[int],
              generator: torch.Generator | None = None, *, compact: bool = True,
              share_prefix: bool = True, preallocate: bool = True, static: bool | None = None,
-             graphs: bool | None = None) -> Generated:
+             graphs: bool | None = None, compile: bool = False) -> Generated:
     """Sample one reply per chat, all chats in one batch, with a KV cache.
 
     ``share_prefix``: the longest token prefix common to every prompt (system prompt, chat
@@ -163,7 +163,10 @@ def generate(model, tok, chats: list[list[dict]], sampling: Sampling, stop_ids: 
     uniform numbers of every step are drawn before the loop, and whether every reply has ended is
     read only every ``SYNC_EVERY`` steps. ``graphs`` (default: with ``static`` on a CUDA device):
     the decode step's model call is captured once as a CUDA graph and replayed, instead of
-    launching its few thousand kernels one by one from Python.
+    launching its few thousand kernels one by one from Python. ``compile`` (``rollout.compile``):
+    the static loop's step is compiled with ``torch.compile`` (:func:`_compiled_step`: norms, rotary
+    embeddings, activations and the adapters' small products fused into fewer kernels), inside the
+    CUDA graph on a GPU; it turns the static loop on unless ``static`` is False.
 
     None of them changes the replies: the sampler draws a uniform number for each of the B rows
     at every step whichever rows are still in the batch, and the generator ends in the same state
@@ -178,14 +181,14 @@ def generate(model, tok, chats: list[list[dict]], sampling: Sampling, stop_ids: 
     lengths = prompt_mask.sum(1)
     shared = _common_prefix(prompt_ids, lengths)
     R = sampling.max_new_tokens
-    static = device.type == "cuda" if static is None else static
+    static = (compile or device.type == "cuda") if static is None else static
     room = R if preallocate or static else None
     state = None
     if share_prefix and shared >= MIN_SHARED_PREFIX:
         state = _prefill_shared(model, prompt_ids, prompt_mask, shared, room)
     past, logits, mask, spent = state or _prefill(model, prompt_ids, prompt_mask, room)
     with _decode_attention(model, static and GROUPED_DECODE):
-        decoder = _StaticDecoder.make(model, past, mask, lengths, R, graphs) if static else None
+        decoder = _StaticDecoder.make(model, past, mask, lengths, R, graphs, compile) if static else None
         return _decode(model, tok, sampling, stop_ids, generator, prompt_ids, prompt_mask, lengths, past, logits, mask,
                        spent, decoder, compact)
 
@@ -302,13 +305,16 @@ class _StaticDecoder:
 
     On a CUDA device the model call is captured once as a CUDA graph (``graphs``) over these
     buffers and replayed at every step; the first step runs it eagerly first (a warm-up that
-    writes the same cache column as the replay after it). Built by :meth:`make`, which returns None
-    where the cache or the attention is not of a kind it handles (the plain loop runs then)."""
+    writes the same cache column as the replay after it). With ``compile`` the model call is
+    :func:`_compiled_step`'s (captured in the graph where there is one). Built by :meth:`make`, which
+    returns None where the cache or the attention is not of a kind it handles (the plain loop runs
+    then)."""
 
-    def __init__(self, model, past, mask: torch.Tensor, lengths: torch.Tensor, R: int, graphs: bool):
+    def __init__(self, model, past, mask: torch.Tensor, lengths: torch.Tensor, R: int, graphs: bool,
+                 compile: bool = False):
         B, P = mask.shape
         device = mask.device
-        self.model, self.past, self.P, self.graphs = model, past, P, graphs
+        self.model, self.past, self.P, self.graphs, self.compile = model, past, P, graphs, compile
         self.at = torch.tensor([P], device=device)  # [1] the cache column written by the step
         past.layers = [_StaticLayer(layer, self.at) for layer in past.layers]
         keep = torch.zeros(B, 1, 1, P + R, dtype=torch.bool, device=device)
@@ -325,7 +331,7 @@ class _StaticDecoder:
         self.graph = self.logits = None
 
     @classmethod
-    def make(cls, model, past, mask, lengths, R: int, graphs: bool | None):
+    def make(cls, model, past, mask, lengths, R: int, graphs: bool | None, compile: bool = False):
         layers = getattr(past, "layers", None)
         if not layers or not all(type(layer) is _ReservedLayer for layer in layers):
             return None
@@ -335,12 +341,19 @@ class _StaticDecoder:
             return None
         device = mask.device
         graphs = device.type == "cuda" if graphs is None else graphs and device.type == "cuda"
-        return cls(model, past, mask, lengths, R, graphs)
+        return cls(model, past, mask, lengths, R, graphs, compile)
 
     def _forward(self) -> torch.Tensor:
-        out = self.model(input_ids=self.ids, attention_mask=self.mask, position_ids=self.pos, use_cache=True,
-                         **{_CACHE: self.past})
-        return out.logits[:, -1]
+        if self.compile:
+            try:
+                return _compiled_step()(self.model, self.ids, self.mask, self.pos, self.past)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # noqa: BLE001 -- no compiler for this device or model: run the step as it is
+                _warn_once(f"marft: rollout.compile: the decode step could not be compiled ({type(e).__name__}: "
+                           f"{str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}); it runs without torch.compile")
+                self.compile = False
+        return _step(self.model, self.ids, self.mask, self.pos, self.past)
 
     def step(self, nxt: torch.Tensor, step: int) -> torch.Tensor:
         """Feed the tokens ``nxt`` [B] generated at ``step``; the logits [B, V] after them."""
@@ -374,6 +387,37 @@ class _StaticDecoder:
             self.logits = self._forward()
             return
         self.graph = graph
+
+
+def _step(model, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, past) -> torch.Tensor:
+    """One decode step of the static loop: the logits [B, V] after the tokens ``ids`` [B, 1]."""
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{_CACHE: past})
+    return out.logits[:, -1]
+
+
+_COMPILED = None
+COMPILE_RECOMPILE_LIMIT = 64  # compiled step variants kept: one per model x acting adapter x attention
+
+
+def _compiled_step():
+    """:func:`_step` under ``torch.compile``, made once per process and shared by every model.
+
+    Shapes are dynamic (``dynamic=True``: the batch and the cache's length vary from call to call,
+    and a new shape must not cost a new compilation); dynamo compiles the step again for each model,
+    acting adapter (peft's active adapter is guarded on) and attention, so the number of variants it
+    keeps is raised from its default of 8 to ``COMPILE_RECOMPILE_LIMIT``. The first call of each
+    variant compiles (tens of seconds on a GPU for a 1.5B model, about a minute for a tiny one on 2
+    CPU cores); later calls run the compiled step."""
+    global _COMPILED
+    if _COMPILED is None:
+        import torch._dynamo
+
+        config = torch._dynamo.config
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(config, name):
+                setattr(config, name, max(getattr(config, name), COMPILE_RECOMPILE_LIMIT))
+        _COMPILED = torch.compile(_step, dynamic=True)
+    return _COMPILED
 
 
 _WARNED: set = set()

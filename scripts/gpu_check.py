@@ -17,7 +17,9 @@ Qwen2.5-7B's, for memory) and runs, each step a subprocess under its own time li
 1. the device, library versions and the matrix rate (2048^3 and 8192^3 in bf16);
 2. ``marft train`` on the duo (the arithmetic duo's config with the model and sizes of ../shared/GPU.md:
    128 episodes, replies up to 256 tokens) for a few iterations, with the untrained and final
-   evaluation (128 problems) and a checkpoint, then ``marft train --resume`` for one more;
+   evaluation (128 problems) and a checkpoint, then ``marft train --resume`` for one more; and the
+   same training with ``rollout.compile=true`` (the decode step under torch.compile; final
+   evaluation only), right after the first, since whether it pays is the open question;
 3. ``benchmarks/rollout.py`` (marft's decode loops against transformers' ``generate`` on the same
    prompts), ``benchmarks/decode.py`` (decode variants, learner micro-batch sizes, profiles; GPU
    only) and ``benchmarks/train.py --new-only`` (one iteration, part by part);
@@ -269,6 +271,13 @@ def run(args) -> int:
         ck.step("train", [*marft, "train", "configs/duo_arithmetic.yaml", *common, f"train.iterations={iterations}",
                           f"train.save_every={iterations}", f"output_dir={run_dir}"], 150 if dev == "cpu" else 300)
         summary["train"] = _train_summary(run_dir)
+        # the same with the decode step compiled (rollout.compile): compiling is in its first iteration
+        compiled_dir = ck.work / "run_compile"
+        shutil.rmtree(compiled_dir, ignore_errors=True)
+        ck.step("train_compile", [*marft, "train", "configs/duo_arithmetic.yaml", *common, f"train.iterations={iterations}",
+                                  "rollout.compile=true", "eval.before=false", f"train.save_every={iterations}",
+                                  f"output_dir={compiled_dir}"], 200 if dev == "cpu" else 300)
+        summary["train_compile"] = _train_summary(compiled_dir)
     ok, text = ck.step("gpu_tests", [py, "-m", "pytest", "-m", "gpu", "tests/test_gpu.py", "-q", "-rs", "-p", "no:cacheprovider"],
                        120 if dev == "cpu" else 120)
     summary["gpu_tests"] = (text.strip().splitlines() or [""])[-1]
@@ -277,7 +286,7 @@ def run(args) -> int:
                                   "--json", str(out / "bench_rollout.json"), *sizes], 150 if dev == "cpu" else 200)
         summary["bench_rollout"] = _read_json(out / "bench_rollout.json")
         if dev != "cpu":  # where a decode step and a learner pass spend their time (tables in check.log)
-            ck.step("decode", [py, "benchmarks/decode.py", "--json", str(out / "decode.json"), *sizes, f"threads={threads}"], 120)
+            ck.step("decode", [py, "benchmarks/decode.py", "--json", str(out / "decode.json"), *sizes, f"threads={threads}"], 240)
             summary["decode"] = _read_json(out / "decode.json")
         ck.step("resume", [*marft, "train", "--resume", str(run_dir), f"train.iterations={iterations + 1}"], 150 if dev == "cpu" else 120)
         summary["train"] = _train_summary(run_dir)
@@ -354,29 +363,24 @@ def summary_table(s: dict) -> str:
     rows.append(("bf16 matrix rate", rates, "MFU divides by the largest"))
     tr = s.get("train") or {}
     its = tr.get("iterations") or []
-    later = [m for m in its if m.get("iteration", 0) >= 2] or its  # the first iteration warms up
-    if later:
-        m = min(later, key=lambda m: m["seconds"] or 1e9)
+    if its:
         rows.append(("model", f"{s['shape']} shapes, duo, {s['episodes']} episodes, <= {s['max_new_tokens']} new tokens", ""))
-        rows.append(("whole iteration (best after the first)", f"{m['seconds']:.1f} s (iteration {m['iteration']})",
-                     _target(m["seconds"] <= TARGETS["iteration_s"], "<= 8 s")))
-        rows.append(("  rollout (generation)", f"{m['generation_s']:.1f} s, {m['throughput/rollout_tokens_per_s']:.0f} generated tok/s, "
-                                              f"MFU {100 * m['mfu/rollout']:.1f}%",
-                     _target(m["throughput/rollout_tokens_per_s"] >= TARGETS["rollout_tok_s"], ">= 20,000 tok/s")))
-        rows.append(("  critic features + update", f"{m['critic_features_s']:.1f} + {m['critic_update_s']:.1f} s", ""))
-        rows.append(("  behaviour log-probs", f"{m['behaviour_logprobs_s']:.1f} s", ""))
-        rows.append(("  learner forward + backward", f"{m['learner_s']:.1f} s, MFU {100 * m['mfu/learner']:.1f}%",
-                     _target(m["mfu/learner"] >= TARGETS["learner_mfu"], ">= 35% MFU")))
-        rows.append(("  throughput per device", f"{m['throughput/generated_tokens_per_s']:.0f} generated, "
-                                                f"{m['throughput/processed_tokens_per_s']:.0f} prompt+reply tok/s; "
-                                                f"MFU {100 * m['mfu/iteration']:.1f}% vs {m['machine/matmul_gflops'] / 1e3:.0f} TFLOP/s "
-                                                f"({m['machine/matmul_n']:.0f}^3)", ""))
+    rows += _train_rows(tr, "")
+    tc = s.get("train_compile") or {}
+    rows += _train_rows(tc, "rollout.compile: ")
+    if tc.get("iterations"):
+        first = tc["iterations"][0]
+        rows.append(("rollout.compile: first iteration (compiles)", f"{first['seconds']:.1f} s, generation {first['generation_s']:.1f} s", ""))
+    for tag, e in (tc.get("evals") or {}).items():
+        if e.get("seconds") is not None:
+            rows.append((f"rollout.compile: {tag} ({e['problems']} problems)", f"{e['seconds']:.1f} s, {e['tokens_per_s']:.0f} tok/s",
+                         _target(e["seconds"] < TARGETS["eval128_s"], "< 10 s") if e["problems"] == 128 else ""))
     for tag, e in (tr.get("evals") or {}).items():
         if e.get("seconds") is not None:
             rows.append((f"{tag} ({e['problems']} problems)", f"{e['seconds']:.1f} s, {e['tokens_per_s']:.0f} tok/s",
                          _target(e["seconds"] < TARGETS["eval128_s"], "< 10 s") if e["problems"] == 128 else ""))
     steps = s.get("steps", {})
-    for name in ("train", "resume", "bench_rollout", "bench_train", "gpu_tests", "train_7b", "bench_hf_static"):
+    for name in ("train", "train_compile", "resume", "bench_rollout", "bench_train", "gpu_tests", "train_7b", "bench_hf_static"):
         if name in steps and steps[name].get("peak_gpu_mib"):
             rows.append((f"peak GPU memory: {name}", f"{steps[name]['peak_gpu_mib'] / 1024:.1f} GiB", ""))
     if tr:
@@ -410,6 +414,31 @@ def summary_table(s: dict) -> str:
     rows.append(("whole check", f"{s.get('total_s')} s", "<= about 8 min"))
     lines = ["| what | measured | target |", "|---|---|---|"] + [f"| {a} | {b} | {c} |" for a, b, c in rows]
     return "\n".join(lines) + "\n"
+
+
+def _train_rows(tr: dict, tag: str) -> list[tuple[str, str, str]]:
+    """A training run's rows of the summary: its best iteration after the first (which warms up,
+    and compiles with rollout.compile), part by part, against the targets."""
+    its = tr.get("iterations") or []
+    later = [m for m in its if m.get("iteration", 0) >= 2] or its
+    if not later:
+        return []
+    m = min(later, key=lambda m: m["seconds"] or 1e9)
+    return [
+        (f"{tag}whole iteration (best after the first)", f"{m['seconds']:.1f} s (iteration {m['iteration']})",
+         _target(m["seconds"] <= TARGETS["iteration_s"], "<= 8 s")),
+        (f"{tag}  rollout (generation)", f"{m['generation_s']:.1f} s, {m['throughput/rollout_tokens_per_s']:.0f} generated tok/s, "
+                                         f"MFU {100 * m['mfu/rollout']:.1f}%",
+         _target(m["throughput/rollout_tokens_per_s"] >= TARGETS["rollout_tok_s"], ">= 20,000 tok/s")),
+        (f"{tag}  critic features + update", f"{m['critic_features_s']:.1f} + {m['critic_update_s']:.1f} s", ""),
+        (f"{tag}  behaviour log-probs", f"{m['behaviour_logprobs_s']:.1f} s", ""),
+        (f"{tag}  learner forward + backward", f"{m['learner_s']:.1f} s, MFU {100 * m['mfu/learner']:.1f}%",
+         _target(m["mfu/learner"] >= TARGETS["learner_mfu"], ">= 35% MFU")),
+        (f"{tag}  throughput per device", f"{m['throughput/generated_tokens_per_s']:.0f} generated, "
+                                          f"{m['throughput/processed_tokens_per_s']:.0f} prompt+reply tok/s; "
+                                          f"MFU {100 * m['mfu/iteration']:.1f}% vs {m['machine/matmul_gflops'] / 1e3:.0f} TFLOP/s "
+                                          f"({m['machine/matmul_n']:.0f}^3)", ""),
+    ]
 
 
 def _target(met: bool, text: str) -> str:

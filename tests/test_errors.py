@@ -112,6 +112,8 @@ ROWS = [
      "rollout.engine=vllm needs vLLM, which is not installed"),
     ("schedule-async-hf", lambda f: ["eval", CONFIG, *f.tiny, "rollout.schedule=async"],
      "rollout.schedule async needs rollout.engine=vllm"),
+    ("compile-vllm", lambda f: ["eval", CONFIG, *f.tiny, "rollout.engine=vllm", "rollout.compile=true"],
+     "rollout.compile is the hf engine's"),
     ("device-without-gpu", lambda f: ["eval", CONFIG, *f.tiny, "model.device=cuda"], "no CUDA GPU is available"),
     # models
     ("model-missing", lambda f: ["eval", CONFIG, *f.tiny, "model.name=/no/such/model"], "model '/no/such/model' not found"),

@@ -302,3 +302,31 @@ def test_a_cpu_generator_drives_a_model_elsewhere():
     cpu = _Uniforms(torch.Generator().manual_seed(1), 3, 4, torch.device("cpu"))
     ref = torch.Generator().manual_seed(1)
     assert torch.equal(cpu.u, torch.cat([torch.rand(1, 4, generator=ref) for _ in range(3)]))
+
+
+def test_the_compiled_decode_step_gives_the_plain_replies_and_compiles_once(tiny):
+    """``compile`` (rollout.compile): the static loop's step under torch.compile gives the plain loop's
+    tokens (fp32), and a batch and a cache length of another size run the compiled step again
+    without compiling anew (dynamic shapes), so a rollout's varying prompts compile once."""
+    import torch._dynamo
+
+    from marft.generation import _compiled_step
+
+    model, tok, stops = tiny
+    sampling = SAMPLINGS[0]
+    want = plain_generate(model, tok, CHATS, sampling, stops, torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    got = generate(model, tok, CHATS, sampling, stops, torch.Generator().manual_seed(0), compile=True)
+    assert torch.equal(got.response_ids, want[2]) and torch.allclose(got.logprobs, want[4], atol=1e-5, rtol=0)
+    frames = counters["stats"]["unique_graphs"]
+    assert frames >= 1 and not counters["graph_break"], dict(counters["graph_break"])
+    # fewer, shorter prompts and longer replies: other shapes, the same compiled step
+    other = generate(model, tok, CHATS[:3], Sampling(temperature=1.0, max_new_tokens=20), stops,
+                     torch.Generator().manual_seed(1), compile=True)
+    assert counters["stats"]["unique_graphs"] == frames
+    plain = plain_generate(model, tok, CHATS[:3], Sampling(temperature=1.0, max_new_tokens=20), stops,
+                           torch.Generator().manual_seed(1))
+    assert torch.equal(other.response_ids, plain[2])
+    assert _compiled_step() is _compiled_step()  # one compiled function per process

@@ -41,6 +41,27 @@ def test_the_cuda_graph_gives_the_eager_static_and_dynamic_replies(on_gpu):
         assert torch.allclose(outs["graph"].logprobs, outs[name].logprobs, atol=1e-4, rtol=0), name
 
 
+def test_the_compiled_step_in_the_cuda_graph_gives_the_eager_replies(on_gpu):
+    """rollout.compile on a GPU: the step compiled by inductor (Triton kernels), captured in the CUDA
+    graph, gives the eager static loop's tokens in fp32, and a batch of another size needs no new
+    compilation."""
+    import torch._dynamo
+
+    model, tok, stops = on_gpu
+    sampling = Sampling(temperature=1.0, max_new_tokens=14)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    want = generate(model, tok, CHATS, sampling, stops, torch.Generator().manual_seed(0), graphs=False)
+    got = generate(model, tok, CHATS, sampling, stops, torch.Generator().manual_seed(0), compile=True)
+    assert torch.equal(want.response_ids, got.response_ids)
+    assert torch.allclose(want.logprobs, got.logprobs, atol=1e-4, rtol=0)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 1
+    generate(model, tok, CHATS[:3], sampling, stops, torch.Generator().manual_seed(1), compile=True)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_gpu_and_cpu_agree_on_the_first_token(on_gpu, tiny_model_dir):
     """Same weights in fp32 on both devices and the same CPU generator: the first sampled token of
     every row (decided by the prefill alone) is the same."""

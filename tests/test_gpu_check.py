@@ -16,15 +16,19 @@ def test_the_gpu_check_runs_on_a_cpu(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary["steps"]) == {"device", "model", "train", "resume", "bench_rollout", "bench_train", "gpu_tests"}
+    assert set(summary["steps"]) == {"device", "model", "train", "train_compile", "resume", "bench_rollout", "bench_train",
+                                     "gpu_tests"}
     assert all(s["ok"] for s in summary["steps"].values()), summary["steps"]
     # trained one iteration, checkpointed, resumed for one more
     assert [m["iteration"] for m in summary["train"]["iterations"]] == [1, 2]
     assert summary["train"]["checkpoints"] == ["iter_000001", "iter_000002"]
     assert {"eval_untrained", "eval_final"} <= set(summary["train"]["evals"])
+    # the same run with the decode step compiled (rollout.compile): trained, evaluated at the end
+    assert [m["iteration"] for m in summary["train_compile"]["iterations"]] == [1]
+    assert set(summary["train_compile"]["evals"]) == {"eval_final"}
     rows = summary["bench_rollout"]["rows"]
     assert rows[0]["default"] and rows[-1]["path"].startswith("transformers generate") and all(r["tokens"] > 0 for r in rows)
     assert summary["bench_train"]["seconds"] > 0
     assert "skipped" in summary["gpu_tests"]  # no GPU here: the gpu tests say so
     table = (out / "summary.md").read_text()
-    assert "whole iteration" in table and "step resume | ok" in table
+    assert "whole iteration" in table and "step resume | ok" in table and "rollout.compile: whole iteration" in table

@@ -68,7 +68,8 @@ class DistributedTrainer(Trainer):
     def __init__(self, cfg, team, models, make_env, log=print, engine=None):
         from ..engines import HFEngine
 
-        super().__init__(cfg, team, models, make_env, log, engine or HFEngine(models, fast=cfg.train.fast, merge=cfg.rollout.fold_adapters))
+        super().__init__(cfg, team, models, make_env, log, engine or HFEngine(models, fast=cfg.train.fast, merge=cfg.rollout.fold_adapters,
+                                                                               compile=cfg.rollout.compile))
         ray = _ray()
         c = cfg.cluster
         self._started_ray = False

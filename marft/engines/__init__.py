@@ -13,7 +13,7 @@ def make_engine(cfg, models) -> Engine:
         from .vllm import VLLMEngine
 
         return VLLMEngine(models, cfg.model, cfg.rollout.vllm, seed=cfg.seed)
-    return HFEngine(models, fast=cfg.train.fast, merge=cfg.rollout.fold_adapters)
+    return HFEngine(models, fast=cfg.train.fast, merge=cfg.rollout.fold_adapters, compile=cfg.rollout.compile)
 
 
 __all__ = ["Engine", "HFEngine", "Reply", "make_engine", "pack"]

@@ -14,11 +14,13 @@ from .base import Engine
 class HFEngine(Engine):
     name = "hf"
 
-    def __init__(self, models: TeamModel, fast: bool = True, merge: bool = False):
+    def __init__(self, models: TeamModel, fast: bool = True, merge: bool = False, compile: bool = False):
         self.models = models
         # fast False: the plain loop (no shared-prefix prefill, finished rows kept in the batch,
         # the KV cache grown by concatenation), kept to measure against
         self.flags = {} if fast else {"compact": False, "share_prefix": False, "preallocate": False, "static": False}
+        if compile:  # rollout.compile: the static loop's step under torch.compile
+            self.flags["compile"] = True
         # merge (rollout.fold_adapters): act with the adapter folded into the base weights
         # (TeamModel.acting_merged) instead of through the adapter layers
         self.merge = merge
