@@ -179,29 +179,31 @@ def main() -> None:
             reply = torch.randint(0, len(tok), (args.reply,), generator=g)
             rows.append(packing.Row(torch.cat([ids_row, reply]), len(ids_row), args.reply))
         shape = flops.model_shape(model)
-        print("\n| learner micro-batch tokens | shared prefix | micro-batches | seconds | MFU |")
-        print("|---|---|---|---|---|")
-        for tokens, share in ((4096, True), (8192, True), (16384, True), (16384, False)):
+        print("\n| learner micro-batch tokens | shared prefix | compiled (train.compile) | micro-batches | seconds | MFU |")
+        print("|---|---|---|---|---|---|")
+        for tokens, share, compiled in ((4096, True, False), (8192, True, False), (16384, True, False), (16384, False, False),
+                                        (16384, False, True)):  # last: train.compile (its warm-up compiles)
             groups = packing.micro_batches([r.length for r in rows], tokens, 0)
             packing.SHARE_PREFIX = share
 
             def learn():
                 for grp in groups:
-                    lp, ent, _ = packing.response_logprobs(model, [rows[i] for i in grp], 1.0, True)
+                    lp, ent, _ = packing.response_logprobs(model, [rows[i] for i in grp], 1.0, True, compile=compiled)
                     (lp.sum() + ent.sum()).backward()
 
             try:
                 learn()  # warm-up
                 s = timed(learn, device)
             except torch.OutOfMemoryError:
-                print(f"| {tokens} | {share} | {len(groups)} | out of memory | |")
+                print(f"| {tokens} | {share} | {compiled} | {len(groups)} | out of memory | |")
                 continue
             finally:
                 packing.SHARE_PREFIX = True
                 model.zero_grad(set_to_none=True)
             need = packing.needed_work(rows, tokens, 0).flops(shape, backward=True)
-            print(f"| {tokens} | {share} | {len(groups)} | {s:.2f} | {need / s / rate:.1%} |", flush=True)
-            result["learner"].append({"tokens": tokens, "share_prefix": share, "seconds": s, "mfu": need / s / rate})
+            print(f"| {tokens} | {share} | {compiled} | {len(groups)} | {s:.2f} | {need / s / rate:.1%} |", flush=True)
+            result["learner"].append({"tokens": tokens, "share_prefix": share, "compiled": compiled, "seconds": s,
+                                      "mfu": need / s / rate})
         if not args.no_profile:
             from torch.profiler import ProfilerActivity, profile
 

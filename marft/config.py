@@ -287,6 +287,13 @@ class TrainConfig:
     log-probabilities and entropy without a float32 vocabulary tensor, behaviour log-probabilities of
     the first minibatch taken from its own pass). ``false``: the plain padded passes, kept to measure
     against (``benchmarks/train.py``)."""
+    compile: bool = False
+    """``fast``: the learner's passes run each decoder layer compiled with ``torch.compile``
+    (``marft/compiling.py``: one compilation serves every layer, dynamic shapes), the shared prompt
+    prefix then not split off. Fuses the norms, rotary embeddings, activations and the adapters'
+    casts around the matrix products, forward and backward; the first passes compile (about a
+    minute for the embedded model on 2 CPU cores). Off by default until a GPU run has measured it;
+    where the layers cannot be compiled they run as they are, with one warning."""
     lr: float = 5e-5
     """Policy (LoRA) learning rate, AdamW per adapter."""
     critic_lr: float = 1e-4

@@ -30,6 +30,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from . import attention as grouped_attention
+from . import compiling
 from .flops import causal_context
 
 # transformers >= 5.2x names the KV cache `cache`; earlier releases `past_key_values`
@@ -350,8 +351,7 @@ class _StaticDecoder:
             except torch.OutOfMemoryError:
                 raise
             except Exception as e:  # noqa: BLE001 -- no compiler for this device or model: run the step as it is
-                _warn_once(f"marft: rollout.compile: the decode step could not be compiled ({type(e).__name__}: "
-                           f"{str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}); it runs without torch.compile")
+                compiling.warn_failed("the decode step", "rollout.compile", e)
                 self.compile = False
         return _step(self.model, self.ids, self.mask, self.pos, self.past)
 
@@ -396,26 +396,17 @@ def _step(model, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, past)
 
 
 _COMPILED = None
-COMPILE_RECOMPILE_LIMIT = 64  # compiled step variants kept: one per model x acting adapter x attention
 
 
 def _compiled_step():
-    """:func:`_step` under ``torch.compile``, made once per process and shared by every model.
-
-    Shapes are dynamic (``dynamic=True``: the batch and the cache's length vary from call to call,
-    and a new shape must not cost a new compilation); dynamo compiles the step again for each model,
-    acting adapter (peft's active adapter is guarded on) and attention, so the number of variants it
-    keeps is raised from its default of 8 to ``COMPILE_RECOMPILE_LIMIT``. The first call of each
-    variant compiles (tens of seconds on a GPU for a 1.5B model, about a minute for a tiny one on 2
-    CPU cores); later calls run the compiled step."""
+    """:func:`_step` under ``torch.compile`` (``rollout.compile``; :mod:`marft.compiling`), made
+    once per process and shared by every model: dynamic shapes, so the batch and the cache length
+    may change from call to call without compiling again; compiled again for each model and acting
+    adapter. The first call of each compiles (about ten seconds for the tiny test model on 2 CPU
+    cores; longer for a real model); later calls run the compiled step."""
     global _COMPILED
     if _COMPILED is None:
-        import torch._dynamo
-
-        config = torch._dynamo.config
-        for name in ("recompile_limit", "cache_size_limit"):
-            if hasattr(config, name):
-                setattr(config, name, max(getattr(config, name), COMPILE_RECOMPILE_LIMIT))
+        compiling.allow_variants()
         _COMPILED = torch.compile(_step, dynamic=True)
     return _COMPILED
 

@@ -347,7 +347,8 @@ class AdapterLearner:
         R = max(turns[i].response_ids.shape[1] for i, _ in mb)
         if self.cfg.train.fast:
             packed = batch.packed_rows()
-            lp, ent, _ = packing.response_logprobs(model, [packed[i][r] for i, r in mb], temp, with_entropy)
+            lp, ent, _ = packing.response_logprobs(model, [packed[i][r] for i, r in mb], temp, with_entropy,
+                                                  compile=self.cfg.train.compile)
             rmask = _gather(turns, mb, "response_mask", R).to(lp.device)
             lp = torch.nn.functional.pad(lp, (0, R - lp.shape[1]))
             if ent is not None:

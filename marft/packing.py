@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from . import attention as cpu_attention
+from . import compiling
 from .flops import causal_context
 from .logits import token_logprobs_and_entropy
 
@@ -145,10 +146,12 @@ def _attention_for_learning(model, device):
             base.set_attn_implementation(before)
 
 
-def final_hidden(model, rows: list[Row], prefix: int, device) -> torch.Tensor:
+def final_hidden(model, rows: list[Row], prefix: int, device, compile: bool = False) -> torch.Tensor:
     """Last-layer (normed) hidden states [b, S, H] of the rows' positions ``prefix`` ..
     ``prefix + S - 1`` (S = longest ``length - prefix``), right-padded; the first ``prefix`` tokens
-    (shared by every row) run once and their keys and values are expanded over the rows."""
+    (shared by every row) run once and their keys and values are expanded over the rows.
+    ``compile`` (``train.compile``, with ``prefix`` 0): the decoder layers run compiled
+    (:func:`marft.compiling.compiled_layers`), or as they are, with one warning, where they cannot."""
     decoder = model.get_base_model().get_decoder() if hasattr(model, "get_base_model") else model.get_decoder()
     pad = int(rows[0].ids[0])  # any id: right padding is never attended to by a real position
     S = max(r.length for r in rows) - prefix
@@ -157,6 +160,15 @@ def final_hidden(model, rows: list[Row], prefix: int, device) -> torch.Tensor:
         ids[b, : r.length - prefix] = r.ids[prefix: r.length]
     ids = ids.to(device)
     with _attention_for_learning(model, device):
+        if compile and not prefix:
+            try:
+                with compiling.compiled_layers(model):
+                    return _run(decoder, rows, prefix, ids, device)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # noqa: BLE001 -- no compiler for this device or model: run the layers as they are
+                compiling.warn_failed("the learner's decoder layers", "train.compile", e)
+                compiling.give_up(model)
         return _run(decoder, rows, prefix, ids, device)
 
 
@@ -182,15 +194,17 @@ def _plain_head(model) -> bool:
 
 
 def response_logprobs(model, rows: list[Row], temperature: float, with_entropy: bool, share_prefix: bool = True,
-                      min_prefix: int = 8) -> tuple[torch.Tensor, torch.Tensor | None, Work]:
+                      min_prefix: int = 8, compile: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, Work]:
     """Log-probabilities [b, R] of each row's reply tokens under log softmax(logits / T), the
     entropies [b, R] of those distributions (or None) and the work done; R = longest reply; column j
-    of row b is reply token j (0 beyond the reply). One micro-batch: all ``rows`` in one pass."""
+    of row b is reply token j (0 beyond the reply). One micro-batch: all ``rows`` in one pass.
+    ``compile`` (``train.compile``): the decoder layers compiled; the shared prefix is then not
+    split off (its cache would make each layer a compilation of its own)."""
     device = next(model.parameters()).device
     T = temperature if temperature > 0 else 1.0
-    prefix = shared_prefix(rows, min_prefix) if share_prefix and SHARE_PREFIX else 0
+    prefix = shared_prefix(rows, min_prefix) if share_prefix and SHARE_PREFIX and not compile else 0
     prefix = max(0, min(prefix, max(r.length for r in rows) - 1))  # every reply empty: keep a position
-    hidden = final_hidden(model, rows, prefix, device)  # [b, S, H]
+    hidden = final_hidden(model, rows, prefix, device, compile)  # [b, S, H]
     # the position predicting reply token j of row b: n_prompt - 1 + j, shifted by the prefix
     resp = torch.tensor([r.n_resp for r in rows])
     R = int(resp.max()) if len(rows) else 0

@@ -18,8 +18,9 @@ Qwen2.5-7B's, for memory) and runs, each step a subprocess under its own time li
 2. ``marft train`` on the duo (the arithmetic duo's config with the model and sizes of ../shared/GPU.md:
    128 episodes, replies up to 256 tokens) for a few iterations, with the untrained and final
    evaluation (128 problems) and a checkpoint, then ``marft train --resume`` for one more; and the
-   same training with ``rollout.compile=true`` (the decode step under torch.compile; final
-   evaluation only), right after the first, since whether it pays is the open question;
+   same training compiled (``rollout.compile=true train.compile=true``: the decode step and the
+   learner's layers under torch.compile; final evaluation only), right after the first, since
+   whether compiling pays is the open question;
 3. ``benchmarks/rollout.py`` (marft's decode loops against transformers' ``generate`` on the same
    prompts), ``benchmarks/decode.py`` (decode variants, learner micro-batch sizes, profiles; GPU
    only) and ``benchmarks/train.py --new-only`` (one iteration, part by part);
@@ -271,11 +272,11 @@ def run(args) -> int:
         ck.step("train", [*marft, "train", "configs/duo_arithmetic.yaml", *common, f"train.iterations={iterations}",
                           f"train.save_every={iterations}", f"output_dir={run_dir}"], 150 if dev == "cpu" else 300)
         summary["train"] = _train_summary(run_dir)
-        # the same with the decode step compiled (rollout.compile): compiling is in its first iteration
+        # the same compiled (rollout.compile, train.compile): compiling is in its first iteration
         compiled_dir = ck.work / "run_compile"
         shutil.rmtree(compiled_dir, ignore_errors=True)
         ck.step("train_compile", [*marft, "train", "configs/duo_arithmetic.yaml", *common, f"train.iterations={iterations}",
-                                  "rollout.compile=true", "eval.before=false", f"train.save_every={iterations}",
+                                  "rollout.compile=true", "train.compile=true", "eval.before=false", f"train.save_every={iterations}",
                                   f"output_dir={compiled_dir}"], 200 if dev == "cpu" else 300)
         summary["train_compile"] = _train_summary(compiled_dir)
     ok, text = ck.step("gpu_tests", [py, "-m", "pytest", "-m", "gpu", "tests/test_gpu.py", "-q", "-rs", "-p", "no:cacheprovider"],
@@ -367,13 +368,13 @@ def summary_table(s: dict) -> str:
         rows.append(("model", f"{s['shape']} shapes, duo, {s['episodes']} episodes, <= {s['max_new_tokens']} new tokens", ""))
     rows += _train_rows(tr, "")
     tc = s.get("train_compile") or {}
-    rows += _train_rows(tc, "rollout.compile: ")
+    rows += _train_rows(tc, "compiled: ")
     if tc.get("iterations"):
         first = tc["iterations"][0]
-        rows.append(("rollout.compile: first iteration (compiles)", f"{first['seconds']:.1f} s, generation {first['generation_s']:.1f} s", ""))
+        rows.append(("compiled: first iteration (compiles)", f"{first['seconds']:.1f} s, generation {first['generation_s']:.1f} s", ""))
     for tag, e in (tc.get("evals") or {}).items():
         if e.get("seconds") is not None:
-            rows.append((f"rollout.compile: {tag} ({e['problems']} problems)", f"{e['seconds']:.1f} s, {e['tokens_per_s']:.0f} tok/s",
+            rows.append((f"compiled: {tag} ({e['problems']} problems)", f"{e['seconds']:.1f} s, {e['tokens_per_s']:.0f} tok/s",
                          _target(e["seconds"] < TARGETS["eval128_s"], "< 10 s") if e["problems"] == 128 else ""))
     for tag, e in (tr.get("evals") or {}).items():
         if e.get("seconds") is not None:
@@ -398,7 +399,8 @@ def summary_table(s: dict) -> str:
     for r in dec.get("decode", []):
         rows.append((f"decode: {r['variant']}", f"{r['tokens_per_s']:.0f} tok/s", ""))
     for r in dec.get("learner", []):
-        rows.append((f"learner pass: {r['tokens']} tokens, shared prefix {r['share_prefix']}", f"{r['seconds']:.2f} s, MFU {100 * r['mfu']:.1f}%", ""))
+        rows.append((f"learner pass: {r['tokens']} tokens, shared prefix {r['share_prefix']}{', compiled' if r.get('compiled') else ''}",
+                     f"{r['seconds']:.2f} s, MFU {100 * r['mfu']:.1f}%", ""))
     bt = s.get("bench_train") or {}
     if bt:
         rows.append(("train bench (new path)", f"{bt.get('seconds', 0):.1f} s per iteration, MFU {100 * bt.get('mfu/iteration', 0):.1f}%, "
@@ -418,7 +420,7 @@ def summary_table(s: dict) -> str:
 
 def _train_rows(tr: dict, tag: str) -> list[tuple[str, str, str]]:
     """A training run's rows of the summary: its best iteration after the first (which warms up,
-    and compiles with rollout.compile), part by part, against the targets."""
+    and compiles in the compiled run), part by part, against the targets."""
     its = tr.get("iterations") or []
     later = [m for m in its if m.get("iteration", 0) >= 2] or its
     if not later:

@@ -23,7 +23,7 @@ def test_the_gpu_check_runs_on_a_cpu(tmp_path):
     assert [m["iteration"] for m in summary["train"]["iterations"]] == [1, 2]
     assert summary["train"]["checkpoints"] == ["iter_000001", "iter_000002"]
     assert {"eval_untrained", "eval_final"} <= set(summary["train"]["evals"])
-    # the same run with the decode step compiled (rollout.compile): trained, evaluated at the end
+    # the same run compiled (rollout.compile, train.compile): trained, evaluated at the end
     assert [m["iteration"] for m in summary["train_compile"]["iterations"]] == [1]
     assert set(summary["train_compile"]["evals"]) == {"eval_final"}
     rows = summary["bench_rollout"]["rows"]
@@ -31,4 +31,4 @@ def test_the_gpu_check_runs_on_a_cpu(tmp_path):
     assert summary["bench_train"]["seconds"] > 0
     assert "skipped" in summary["gpu_tests"]  # no GPU here: the gpu tests say so
     table = (out / "summary.md").read_text()
-    assert "whole iteration" in table and "step resume | ok" in table and "rollout.compile: whole iteration" in table
+    assert "whole iteration" in table and "step resume | ok" in table and "compiled: whole iteration" in table
