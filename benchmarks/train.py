@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/train.py                    # default duo config, embedded model
     .venv/bin/python benchmarks/train.py train.algorithm=marft-token
     .venv/bin/python benchmarks/train.py --no-ablations     # skip the learner ablation rows
+    .venv/bin/python benchmarks/train.py --compile          # new path against new path + torch.compile
 
 Prints the CPU, the dtype and the matrix-multiply rate of this machine (marft.flops), then runs one
 warm-up iteration and, from the same state and seed (so on nearly the same batch), one iteration
@@ -11,6 +12,10 @@ log-softmax over the vocabulary, a separate behaviour-log-prob pass) and
 one with the new, each part's seconds, share and MFU side by side. Then, on the new iteration's
 batch, the policy update alone with each of the fast path's changes switched off in turn (what
 each one buys). Last the process's peak resident memory.
+
+``--compile``: instead of the old path, the new path beside the new path compiled
+(``rollout.compile`` and ``train.compile``), the compiled one after a warm-up iteration of its own
+that compiles (its seconds less the measured iteration's: the compile time), from the same state.
 """
 from __future__ import annotations
 
@@ -72,6 +77,8 @@ def main() -> None:
     p.add_argument("--no-ablations", action="store_true")
     p.add_argument("--new-only", action="store_true", help="only the new path, two iterations: its own peak memory")
     p.add_argument("--json", help="--new-only: also write the measured iteration's figures to this JSON file")
+    p.add_argument("--compile", action="store_true", help="the new path against the new path with rollout.compile and "
+                                                           "train.compile (no ablations)")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     cfg = load_config(args.config, [*PINNED, "threads=2", "output_dir=/tmp/marft-bench-train", *args.overrides])
@@ -104,15 +111,29 @@ def main() -> None:
             Path(args.json).write_text(json.dumps({"device": where, "rate": flops.rate_label(base), **keep}, indent=1))
         return
     s = state(tr)
-    runs = {}
-    for fast in (False, True):
+    if args.compile:
+        labels = ("uncompiled", "compiled")
         restore(tr, s)
-        tr.cfg.train.fast = fast
-        runs[fast] = tr.iteration_step()
-    old, new = runs[False], runs[True]
+        old = tr.iteration_step()
+        tr.engine.flags["compile"] = tr.cfg.rollout.compile = tr.cfg.train.compile = True
+        restore(tr, s)
+        warm = tr.iteration_step()  # compiles
+        restore(tr, s)
+        new = tr.iteration_step()
+        print(f"# compiling: the compiled path's first iteration took {warm['seconds']:.1f} s, "
+              f"{warm['seconds'] - new['seconds']:.1f} s more than its next")
+    else:
+        labels = ("old", "new")
+        runs = {}
+        for fast in (False, True):
+            restore(tr, s)
+            tr.cfg.train.fast = fast
+            runs[fast] = tr.iteration_step()
+        old, new = runs[False], runs[True]
+    a, b = labels
     print(f"# one iteration: {cfg.train.algorithm}, team {' -> '.join(team.names)}, {cfg.rollout.episodes} episodes, "
-          f"<= {cfg.rollout.max_new_tokens} new tokens; old path {old['tokens']} generated tokens, new {new['tokens']}")
-    print("| part | old s | old share | old MFU | new s | new share | new MFU | speed-up |")
+          f"<= {cfg.rollout.max_new_tokens} new tokens; {a} path {old['tokens']} generated tokens, {b} {new['tokens']}")
+    print(f"| part | {a} s | {a} share | {a} MFU | {b} s | {b} share | {b} MFU | speed-up |")
     print("|---|---|---|---|---|---|---|---|")
     for name, key, mkey in PARTS:
         o, n = old[key], new[key]
@@ -122,9 +143,9 @@ def main() -> None:
               f"{o / max(n, 1e-9):.1f}x |")
     print(f"| **whole iteration** | **{old['seconds']:.1f}** | | {100 * old['mfu/iteration']:.1f}% | **{new['seconds']:.1f}** | | "
           f"{100 * new['mfu/iteration']:.1f}% | **{old['seconds'] / new['seconds']:.1f}x** |")
-    print(f"end to end: old {old['tokens_per_s']:.1f}, new {new['tokens_per_s']:.1f} generated tokens/s")
+    print(f"end to end: {a} {old['tokens_per_s']:.1f}, {b} {new['tokens_per_s']:.1f} generated tokens/s")
 
-    if not args.no_ablations:
+    if not args.no_ablations and not args.compile:
         out = tr._rollout(s["iteration"])
         targets = tr._targets(out)
         rows = sum(len(t.episodes) for t in out.turns)

@@ -71,12 +71,12 @@ def compiled_layers(model, on: bool = True):
     try:
         yield bool(layers)
     finally:
-        for layer in layers:
-            layer._compiled_call_impl = None
+        for layer in layers:  # back to nn.Module's own attribute (a guard of the compiled decode step reads it)
+            layer.__dict__.pop("_compiled_call_impl", None)
 
 
 def give_up(model) -> None:
     """:func:`compiled_layers` leaves ``model``'s layers uncompiled from now on (compiling failed)."""
     for layer in decoder_layers(model):
         layer._marft_compiled = False
-        layer._compiled_call_impl = None
+        layer.__dict__.pop("_compiled_call_impl", None)

@@ -37,9 +37,10 @@ def _last_hidden(model, ids: torch.Tensor, mask: torch.Tensor, work=None) -> tor
         work.tokens += float(n.sum())
         work.context += causal_context(n)
 
-    out = model(input_ids=ids, attention_mask=mask.long(), position_ids=_positions(mask.long()),
-                output_hidden_states=True, logits_to_keep=1)
-    return out.hidden_states[-1]
+    # the decoder alone: no output head, and not transformers' output_hidden_states, whose capturing
+    # hooks would stay on every layer (and break a compiled layer's graph, marft/compiling.py)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.get_decoder()(input_ids=ids, attention_mask=mask.long(), position_ids=_positions(mask.long())).last_hidden_state
 
 
 def _batch(batch: int | None, device, cpu: int) -> int:

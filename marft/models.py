@@ -260,10 +260,23 @@ class TeamModel:
                 self.tokenizers[base] = tok
             elif agent.adapter not in self.bases[base].peft_config:
                 self.bases[base].add_adapter(agent.adapter, copy.deepcopy(self.lora_config))
+        # every adapter's weights trainable, the base frozen; see _activate
+        self._lora: dict[int, list[torch.nn.Parameter]] = {}
         for peft in self.bases.values():
             peft.eval()
             for name, p in peft.named_parameters():
-                p.requires_grad_(False)
+                p.requires_grad_("lora_" in name)
+            self._lora[id(peft)] = [p for name, p in peft.named_parameters() if "lora_" in name]
+
+    def _activate(self, model, adapter: str) -> None:
+        """Make ``adapter`` the acting one. peft's ``set_adapter`` also leaves only its weights
+        trainable; here every adapter's stay so (each has its own optimiser, and only the acting
+        one's take part in a pass), so that the flags never depend on which agent acted last:
+        torch.compile guards on them, and would compile again at each change (marft/compiling.py)."""
+        model.base_model.set_adapter(adapter)
+        for p in self._lora.get(id(model), ()):
+            if not p.requires_grad:
+                p.requires_grad_(True)
 
     def for_agent(self, name: str):
         """(peft_model, tokenizer, adapter_name) of an agent; the adapter is not yet activated."""
@@ -275,7 +288,7 @@ class TeamModel:
     def acting(self, name: str):
         """Activate the agent's adapter for the duration of the block; yields (model, tokenizer)."""
         model, tok, adapter = self.for_agent(name)
-        model.base_model.set_adapter(adapter)
+        self._activate(model, adapter)
         yield model, tok
 
     @contextlib.contextmanager
@@ -307,7 +320,7 @@ class TeamModel:
             with self.acting(name) as acted:
                 yield acted
             return
-        model.base_model.set_adapter(adapter)
+        self._activate(model, adapter)
         try:
             with torch.no_grad():
                 for key, layer in layers:

@@ -40,6 +40,32 @@ def test_each_agent_acts_with_its_own_adapter_when_compiled(duo):
         assert torch.equal(w, g), label
 
 
+def test_agents_taking_turns_compile_once_each(duo):
+    """Each agent's compiled step is made once: acting again (after the other agent, the learner or
+    the critic) finds it, because nothing it is guarded on changes between turns (peft's
+    set_adapter leaves only the acting adapter trainable; marft keeps every adapter trainable)."""
+    import torch._dynamo
+
+    from marft.critic import state_features
+
+    team, models = duo
+    a, b = team.names
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    sample(models.acting(a), True), sample(models.acting(b), True)
+    graphs = counters["stats"]["unique_graphs"]
+    with models.acting(a) as (model, tok):
+        learner_pass(model, rows_of(tok, 2, 3), True)  # the learner's compiled layers, between turns
+    state_features(models, a, ["a global state", "another one"])  # the critic's features
+    before = counters["stats"]["unique_graphs"]
+    sample(models.acting(a), True), sample(models.acting(b), True)
+    assert counters["stats"]["unique_graphs"] == before and before > graphs, dict(counters["stats"])
+    lora = [p for model in models.bases.values() for n, p in model.named_parameters() if "lora_" in n]
+    base = [p for model in models.bases.values() for n, p in model.named_parameters() if "lora_" not in n]
+    assert all(p.requires_grad for p in lora) and not any(p.requires_grad for p in base)
+
+
 def test_the_engine_compiles_when_the_config_asks(duo, tiny_overrides):
     team, models = duo
     assert "compile" not in make_engine(load_config(None, tiny_overrides), models).flags  # off by default
