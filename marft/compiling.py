@@ -13,7 +13,7 @@ dtype casts become a few kernels instead of dozens, which is what bounds a small
 GPU (and, less, on a CPU). Shapes are dynamic, so a new batch or length is not a new compilation;
 dynamo compiles again for each model, acting adapter (peft's active adapter is guarded on, so one
 agent never runs another's compiled code) and grad mode, so the number of variants it keeps is
-raised (:func:`allow_variants`). Where compiling fails (no compiler for the device, a model dynamo
+raised (:func:`configure`, with the other settings it needs). Where compiling fails (no compiler for the device, a model dynamo
 cannot trace), the code runs as it is, with one warning.
 """
 from __future__ import annotations
@@ -28,14 +28,25 @@ VARIANTS = 64  # compiled variants dynamo keeps per function: models x adapters 
 _WARNED: set[str] = set()
 
 
-def allow_variants() -> None:
-    """Raise dynamo's limit on compiled variants of one function from its default (8) to ``VARIANTS``."""
+def configure() -> None:
+    """What marft's compiled code needs of torch.compile's settings (process-wide, set when a
+    switch is on): dynamo keeps up to ``VARIANTS`` compiled variants of a function (default 8);
+    dimensions of equal size get symbols of their own (no "duck sizing", which would tie a batch
+    of 128 to a head dimension of 128 and compile again for the next batch size); and a backward
+    is compiled with its forward, so that a backward that cannot compile fails where the fallback
+    catches it rather than in the learner's ``loss.backward()``."""
     import torch._dynamo
+    import torch._functorch.config
+    import torch.fx.experimental._config
 
     config = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(config, name):
             setattr(config, name, max(getattr(config, name), VARIANTS))
+    for module, name, value in ((torch.fx.experimental._config, "use_duck_shape", False),
+                                (torch._functorch.config, "force_non_lazy_backward_lowering", True)):
+        if hasattr(module, name):
+            setattr(module, name, value)
 
 
 def warn_failed(what: str, switch: str, error: BaseException) -> None:
@@ -63,7 +74,7 @@ def compiled_layers(model, on: bool = True):
     layers = [layer for layer in decoder_layers(model)
               if on and layer._compiled_call_impl is None and getattr(layer, "_marft_compiled", None) is not False]
     if layers:
-        allow_variants()
+        configure()
     for layer in layers:
         if getattr(layer, "_marft_compiled", None) is None:
             layer._marft_compiled = torch.compile(layer._call_impl, dynamic=True)

@@ -643,6 +643,9 @@ def validate(cfg: RunConfig) -> None:
     _check(tr.keep_checkpoints >= 0, f"train.keep_checkpoints must be 0 (keep all) or more, got {tr.keep_checkpoints}")
     for name in ("epochs", "minibatch_size", "micro_batch_size", "critic_epochs", "save_every"):
         _check(getattr(tr, name) >= 1, f"train.{name} must be at least 1, got {getattr(tr, name)}")
+    for switch, on in (("rollout.compile", r.compile), ("train.compile", tr.compile)):
+        _check(not on or tr.fast, f"{switch} needs train.fast: true (train.fast=false keeps the plain loop and passes, "
+                                  "uncompiled, to measure against)")
     _check(tr.micro_batch_tokens >= 0, f"train.micro_batch_tokens must be 0 (auto: by the device's memory) or positive, got {tr.micro_batch_tokens}")
     for name in ("lr", "critic_lr", "clip", "max_grad_norm"):
         _check(getattr(tr, name) > 0, f"train.{name} must be positive, got {getattr(tr, name)}")

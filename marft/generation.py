@@ -315,7 +315,8 @@ class _StaticDecoder:
                  compile: bool = False):
         B, P = mask.shape
         device = mask.device
-        self.model, self.past, self.P, self.graphs, self.compile = model, past, P, graphs, compile
+        self.model, self.past, self.P, self.graphs = model, past, P, graphs
+        self.compile = compile and id(model) not in _gave_up
         self.at = torch.tensor([P], device=device)  # [1] the cache column written by the step
         past.layers = [_StaticLayer(layer, self.at) for layer in past.layers]
         keep = torch.zeros(B, 1, 1, P + R, dtype=torch.bool, device=device)
@@ -353,6 +354,7 @@ class _StaticDecoder:
             except Exception as e:  # noqa: BLE001 -- no compiler for this device or model: run the step as it is
                 compiling.warn_failed("the decode step", "rollout.compile", e)
                 self.compile = False
+                _gave_up.add(id(self.model))  # not tried again for this model
         return _step(self.model, self.ids, self.mask, self.pos, self.past)
 
     def step(self, nxt: torch.Tensor, step: int) -> torch.Tensor:
@@ -396,6 +398,7 @@ def _step(model, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, past)
 
 
 _COMPILED = None
+_gave_up: set[int] = set()  # models whose decode step failed to compile: run as they are from then on
 
 
 def _compiled_step():
@@ -406,7 +409,7 @@ def _compiled_step():
     cores; longer for a real model); later calls run the compiled step."""
     global _COMPILED
     if _COMPILED is None:
-        compiling.allow_variants()
+        compiling.configure()
         _COMPILED = torch.compile(_step, dynamic=True)
     return _COMPILED
 

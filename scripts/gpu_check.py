@@ -252,7 +252,8 @@ def run(args) -> int:
     summary["device"] = _tagged(text, "DEVICE")
 
     # 2-6 in order of what matters most, should the budget run out: train (with evaluations and a
-    # checkpoint), the gpu tests, the rollout benchmark, resume, the training benchmark, 7B, compile
+    # checkpoint), the gpu tests, train compiled, the rollout benchmark, decode, resume, the training
+    # benchmark, 7B, transformers' static cache
     folder = models / shape
     if args.reuse and (folder / "config.json").is_file():
         ck.say(f"step model: reusing {folder}")
@@ -272,16 +273,16 @@ def run(args) -> int:
         ck.step("train", [*marft, "train", "configs/duo_arithmetic.yaml", *common, f"train.iterations={iterations}",
                           f"train.save_every={iterations}", f"output_dir={run_dir}"], 150 if dev == "cpu" else 300)
         summary["train"] = _train_summary(run_dir)
-        # the same compiled (rollout.compile, train.compile): compiling is in its first iteration
+    ok, text = ck.step("gpu_tests", [py, "-m", "pytest", "-m", "gpu", "tests/test_gpu.py", "-q", "-rs", "-p", "no:cacheprovider"],
+                       120 if dev == "cpu" else 120)
+    summary["gpu_tests"] = (text.strip().splitlines() or [""])[-1]
+    if ok_model:  # the same compiled (rollout.compile, train.compile): compiling is in its first iteration
         compiled_dir = ck.work / "run_compile"
         shutil.rmtree(compiled_dir, ignore_errors=True)
         ck.step("train_compile", [*marft, "train", "configs/duo_arithmetic.yaml", *common, f"train.iterations={iterations}",
                                   "rollout.compile=true", "train.compile=true", "eval.before=false", f"train.save_every={iterations}",
-                                  f"output_dir={compiled_dir}"], 200 if dev == "cpu" else 300)
+                                  f"output_dir={compiled_dir}"], 200 if dev == "cpu" else 240)
         summary["train_compile"] = _train_summary(compiled_dir)
-    ok, text = ck.step("gpu_tests", [py, "-m", "pytest", "-m", "gpu", "tests/test_gpu.py", "-q", "-rs", "-p", "no:cacheprovider"],
-                       120 if dev == "cpu" else 120)
-    summary["gpu_tests"] = (text.strip().splitlines() or [""])[-1]
     if ok_model:
         ck.step("bench_rollout", [py, "benchmarks/rollout.py", "--episodes", str(episodes), "--threads", str(threads),
                                   "--json", str(out / "bench_rollout.json"), *sizes], 150 if dev == "cpu" else 200)

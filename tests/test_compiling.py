@@ -80,16 +80,42 @@ def test_a_step_that_cannot_be_compiled_runs_as_it_is(duo, monkeypatch, capsys):
     import marft.generation as gen
 
     team, models = duo
+    tries = []
 
     def no_compiler():
         def fails(*a, **k):
+            tries.append(1)
             raise RuntimeError("no C++ compiler found (a stand-in)")
         return fails
 
     monkeypatch.setattr(gen, "_compiled_step", no_compiler)
+    monkeypatch.setattr(gen, "_gave_up", set())
     got = sample(models.acting(team.names[0]), True)
     assert "the decode step could not be compiled (RuntimeError: no C++ compiler found" in capsys.readouterr().err
     assert torch.equal(got.response_ids, sample(models.acting(team.names[0]), False).response_ids)
+    sample(models.acting(team.names[1]), True)
+    assert len(tries) == 1  # not tried again at the next call (each try would trace the model anew)
+
+
+def test_a_batch_as_large_as_a_head_is_not_tied_to_it(duo):
+    """Dimensions of equal size get symbols of their own: a batch of 16 prompts on a model whose
+    heads have 16 dimensions, then a batch of 6, run the same compiled step (with duck sizing the
+    first would tie batch and head size, and the second compile again)."""
+    import torch._dynamo
+
+    team, models = duo
+    model, tok, _ = models.for_agent(team.names[0])
+    head = model.config.hidden_size // model.config.num_attention_heads
+    chats = [[{"role": "user", "content": f"Count to {i}."}] for i in range(head)]
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    with models.acting(team.names[0]) as (model, tok):
+        stops = stop_token_ids(model, tok)
+        generate(model, tok, chats, SAMPLING, stops, torch.Generator().manual_seed(0), compile=True)
+        graphs = counters["stats"]["unique_graphs"]
+        generate(model, tok, chats[:6], SAMPLING, stops, torch.Generator().manual_seed(0), compile=True)
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def rows_of(tok, n: int, seed: int) -> list[packing.Row]:

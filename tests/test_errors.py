@@ -114,6 +114,8 @@ ROWS = [
      "rollout.schedule async needs rollout.engine=vllm"),
     ("compile-vllm", lambda f: ["eval", CONFIG, *f.tiny, "rollout.engine=vllm", "rollout.compile=true"],
      "rollout.compile is the hf engine's"),
+    ("compile-plain-loop", lambda f: ["train", CONFIG, *f.tiny, "train.fast=false", "train.compile=true"],
+     "train.compile needs train.fast: true"),
     ("device-without-gpu", lambda f: ["eval", CONFIG, *f.tiny, "model.device=cuda"], "no CUDA GPU is available"),
     # models
     ("model-missing", lambda f: ["eval", CONFIG, *f.tiny, "model.name=/no/such/model"], "model '/no/such/model' not found"),
