@@ -328,6 +328,11 @@ class MarftTrainer:
                 self._log(f"marft train: {cfg.train.algorithm}, team {' -> '.join(self.team.names)}"
                           f"{' (shared adapter)' if cfg.team.share_adapter else ''}, {cfg.train.iterations} iterations "
                           f"x {cfg.rollout.episodes} episodes, run folder {run_dir}")
+            compiled = [name for name, on in (("rollout.compile", cfg.rollout.compile), ("train.compile", cfg.train.compile)) if on]
+            if compiled:  # else the first evaluation or iteration looks stuck for minutes
+                self._log(f"{' and '.join(compiled)}: the first calls of each agent compile with torch.compile "
+                          "(a minute or more on a CPU), later ones run compiled")
+            if not resumed:
                 if cfg.eval.before or cfg.train.iterations == 0:
                     untrained = self._run_eval("untrained", trackers)
             start, done_here = time.perf_counter(), 0

@@ -26,6 +26,7 @@ def test_the_gpu_check_runs_on_a_cpu(tmp_path):
     # the same run compiled (rollout.compile, train.compile): trained, evaluated at the end
     assert [m["iteration"] for m in summary["train_compile"]["iterations"]] == [1]
     assert set(summary["train_compile"]["evals"]) == {"eval_final"}
+    assert "rollout.compile and train.compile: the first calls of each agent compile" in (out / "check.log").read_text()
     rows = summary["bench_rollout"]["rows"]
     assert rows[0]["default"] and rows[-1]["path"].startswith("transformers generate") and all(r["tokens"] > 0 for r in rows)
     assert summary["bench_train"]["seconds"] > 0
