@@ -271,8 +271,10 @@ class TeamModel:
     def _activate(self, model, adapter: str) -> None:
         """Make ``adapter`` the acting one. peft's ``set_adapter`` also leaves only its weights
         trainable; here every adapter's stay so (each has its own optimiser, and only the acting
-        one's take part in a pass), so that the flags never depend on which agent acted last:
-        torch.compile guards on them, and would compile again at each change (marft/compiling.py)."""
+        one's take part in a pass), so that when an agent acts the flags do not depend on which
+        agent acted before: torch.compile guards on them, and would compile again at each change
+        (marft/compiling.py). (Leaving ``reference`` sets them as peft's ``set_adapter`` does; the
+        reference pass reads no adapter weight, and the next agent to act sets them again.)"""
         model.base_model.set_adapter(adapter)
         for p in self._lora.get(id(model), ()):
             if not p.requires_grad:
