@@ -4,9 +4,8 @@
   base model and acting adapter (:func:`marft.generation._compiled_step`, inside the CUDA graph);
 - ``train.compile``: the learner's passes (forward + backward, behaviour and reference
   log-probabilities) with each decoder layer compiled on its own (:func:`compiled_layers`:
-  "regional" compilation: the layers share their code, so one compilation serves them all, in
-  seconds rather than the minutes a whole model takes, and the logits, the loss and the optimiser
-  stay as they are).
+  "regional" compilation: the layers share their code, so one compilation serves them all, and the
+  logits, the loss and the optimiser stay as they are).
 
 What compiling buys is fusion: a layer's norms, rotary embeddings, activation and the adapters'
 dtype casts become a few kernels instead of dozens, which is what bounds a small model's step on a
@@ -19,13 +18,10 @@ cannot trace), the code runs as it is, with one warning.
 from __future__ import annotations
 
 import contextlib
-import sys
 
 import torch
 
 VARIANTS = 64  # compiled variants dynamo keeps per function: models x adapters x grad modes x attention kernels
-
-_WARNED: set[str] = set()
 
 
 def configure() -> None:
@@ -51,11 +47,10 @@ def configure() -> None:
 
 def warn_failed(what: str, switch: str, error: BaseException) -> None:
     """One warning per process and ``what``: it could not be compiled and runs as it is."""
+    from .generation import _warn_once
+
     first = str(error).strip().splitlines()[0][:160] if str(error).strip() else ""
-    message = f"marft: {switch}: {what} could not be compiled ({type(error).__name__}: {first}); it runs without torch.compile"
-    if message not in _WARNED:
-        _WARNED.add(message)
-        print(message, file=sys.stderr)
+    _warn_once(f"marft: {switch}: {what} could not be compiled ({type(error).__name__}: {first}); it runs without torch.compile")
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:
@@ -67,12 +62,12 @@ def decoder_layers(model) -> list[torch.nn.Module]:
 
 
 @contextlib.contextmanager
-def compiled_layers(model, on: bool = True):
+def compiled_layers(model):
     """Within the block, each decoder layer of ``model`` runs its compiled forward (what
     ``nn.Module.compile`` sets up, made once per layer and kept); afterwards the layers run as
     before, so decoding and the critic are untouched. Layers the user compiled are left alone."""
     layers = [layer for layer in decoder_layers(model)
-              if on and layer._compiled_call_impl is None and getattr(layer, "_marft_compiled", None) is not False]
+              if layer._compiled_call_impl is None and getattr(layer, "_marft_compiled", None) is not False]
     if layers:
         configure()
     for layer in layers:
@@ -80,7 +75,7 @@ def compiled_layers(model, on: bool = True):
             layer._marft_compiled = torch.compile(layer._call_impl, dynamic=True)
         layer._compiled_call_impl = layer._marft_compiled
     try:
-        yield bool(layers)
+        yield
     finally:
         for layer in layers:  # back to nn.Module's own attribute (a guard of the compiled decode step reads it)
             layer.__dict__.pop("_compiled_call_impl", None)

@@ -291,8 +291,8 @@ class TrainConfig:
     """``fast``: the learner's passes run each decoder layer compiled with ``torch.compile``
     (``marft/compiling.py``: one compilation serves every layer, dynamic shapes), the shared prompt
     prefix then not split off. Fuses the norms, rotary embeddings, activations and the adapters'
-    casts around the matrix products, forward and backward; the first passes compile (about a
-    minute for the embedded model on 2 CPU cores). Off by default until a GPU run has measured it;
+    casts around the matrix products, forward and backward; the first passes compile (with
+    ``rollout.compile``, 188 s for the embedded model on 2 CPU cores: BENCHMARKS.md). Off by default until a GPU run has measured it;
     where the layers cannot be compiled they run as they are, with one warning."""
     lr: float = 5e-5
     """Policy (LoRA) learning rate, AdamW per adapter."""
