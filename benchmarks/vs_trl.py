@@ -3,6 +3,8 @@
     bash scripts/setup.sh --trl                      # once: .venv-trl, the same marft with TRL 1.16.0
     .venv/bin/python benchmarks/vs_trl.py            # 8 steps each, marft first
     .venv/bin/python benchmarks/vs_trl.py --steps 12 --order trl,marft,trl-defaults
+    .venv/bin/python benchmarks/vs_trl.py --steps 40 --eval 256 --seed 0 --json results/vs_trl/seed0.json
+    .venv/bin/python benchmarks/vs_trl.py --table results/vs_trl/seed*.json   # those runs over seeds
 
 One agent (``team.preset=solo``) on the main job's task (reasoning-gym one-digit addition) and
 model (the embedded SmolLM2-135M-Instruct, the dtype marft picks on this machine), LoRA r 8 / alpha
@@ -25,6 +27,10 @@ which warms up), generated tokens per step and per second, the mean reward, and 
 resident memory. The losses differ (marft's GRPO is action-level: one ratio per reply; TRL's default
 ``dapo`` is token-level) but their cost is the same handful of elementwise operations; what is
 compared is sampling 32 replies and one forward + backward over them.
+
+``--eval N``: each side also saves its trained adapter (PEFT's format: TRL's loads into marft like
+any other) and marft's evaluation scores each, and the untrained model, on the same N held-out
+problems (``eval.*`` of the main job's config: temperature 0.6, seed 1234), with a 95% interval.
 """
 from __future__ import annotations
 
@@ -81,6 +87,8 @@ def run_marft(a: argparse.Namespace) -> dict:
                       "reward": float(m.get("reward", m.get("success", float("nan")))),
                       "generation_s": float(m["generation_s"])})
     dtype = str(next(tr._base().parameters()).dtype).replace("torch.", "")
+    if a.save:
+        tr.models.save_adapters(a.save)
     return {"steps": steps, "dtype": dtype, "threads": torch.get_num_threads()}
 
 
@@ -164,8 +172,51 @@ def run_trl(a: argparse.Namespace) -> dict:
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows),
                           processing_class=tok, peft_config=lora, callbacks=[Clock()])
     trainer.train()
+    if a.save:
+        trainer.model.save_pretrained(str(Path(a.save) / name))
     base = trainer.model.get_base_model().get_input_embeddings().weight.dtype  # as TRL ran it
     return {"steps": steps, "dtype": str(base).replace("torch.", ""), "threads": torch.get_num_threads()}
+
+
+def held_out(a: argparse.Namespace, adapters: dict[str, Path]) -> dict:
+    """marft's evaluation of the untrained model and of each side's saved adapter, in this process."""
+    from marft.api import evaluate
+
+    cfg = marft_config(a)
+    cfg.eval.problems, cfg.eval.samples, cfg.eval.ablate = a.eval, 1, False
+    out = {}
+    for label, folder in [("untrained", None), *adapters.items()]:
+        r = evaluate(cfg, adapters=folder)
+        out[label] = {"accuracy": r["accuracy"], "ci95": list(r["ci95"])}
+    return out
+
+
+def table(files: list[str]) -> None:
+    """Held-out accuracy over the seeds of ``--eval`` runs: each side's per seed, mean and 95%
+    interval over seeds, and the difference of the first two sides (Welch)."""
+    from marft.report import seed_interval, welch_interval
+
+    runs = [json.loads(Path(f).read_text()) for f in files]
+    runs = [r for r in runs if r.get("held_out")]
+    if not runs:
+        sys.exit("vs_trl --table: none of these files has held-out scores (runs with --eval N)")
+    labels = list(runs[0]["held_out"])
+    acc = {k: [r["held_out"][k]["accuracy"] for r in runs if k in r["held_out"]] for k in labels}
+    seconds = {k: [next(x for x in r["rows"] if x["side"] == k)["seconds"] for r in runs] for k in labels if k != "untrained"}
+    print(f"# held-out accuracy, {len(runs)} seeds ({', '.join(files)})")
+    print("| | per seed, % | mean % | 95% interval over seeds | seconds per step (median, per seed) |")
+    print("|---|---|---|---|---|")
+    for k in labels:
+        ci = seed_interval(acc[k])
+        span = f"{100 * ci[0]:.1f}-{100 * ci[1]:.1f}" if ci else "-"
+        sec = " / ".join(f"{x:.2f}" for x in seconds.get(k, []))
+        print(f"| {k} | {' / '.join(f'{100 * x:.1f}' for x in acc[k])} | {100 * statistics.fmean(acc[k]):.1f} | {span} | {sec or '-'} |")
+    trained = [k for k in labels if k != "untrained"]
+    if len(trained) >= 2:
+        a, b = trained[:2]
+        d = welch_interval(acc[a], acc[b])
+        diff = 100 * (statistics.fmean(acc[a]) - statistics.fmean(acc[b]))
+        print(f"{a} - {b}: {diff:+.1f} points" + (f" (Welch 95% interval {100 * d[0]:+.1f} to {100 * d[1]:+.1f})" if d else ""))
 
 
 def summary(side: str, r: dict) -> dict:
@@ -189,9 +240,15 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--order", default="marft,trl")
     p.add_argument("--json", help="also write both sides' figures to this file")
+    p.add_argument("--eval", type=int, default=0, metavar="N",
+                   help="also score each side's trained adapter (and the untrained model) on N held-out problems")
+    p.add_argument("--table", nargs="+", metavar="JSON", help="print held-out accuracy over seeds from --json files of --eval runs")
+    p.add_argument("--save", help=argparse.SUPPRESS)  # a child: save the trained adapter under this folder
     p.add_argument("--side", choices=sorted(VENVS), help=argparse.SUPPRESS)  # a child: one side, JSON to --out
     p.add_argument("--out", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.table:
+        return table(a.table)
     if (a.problems * a.group) % a.micro:
         p.error(f"--micro ({a.micro}) must divide --problems x --group ({a.problems * a.group})")
     if a.side:
@@ -216,11 +273,13 @@ def main() -> None:
         for s in sides:
             out = Path(tmp) / f"{s}.json"
             env = {**os.environ, "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false"}
-            done = subprocess.run([str(VENVS[s]), __file__, "--side", s, "--out", str(out), *passed], env=env)
+            save = ["--save", str(Path(tmp) / s)] if a.eval else []
+            done = subprocess.run([str(VENVS[s]), __file__, "--side", s, "--out", str(out), *save, *passed], env=env)
             if done.returncode or not out.exists():
                 sys.exit(f"vs_trl: the {s} side failed (exit status {done.returncode}); its output is above")
             raw[s] = json.loads(out.read_text())
             rows.append(summary(s, raw[s]))
+        scores = held_out(a, {s: Path(tmp) / s for s in sides}) if a.eval else {}
     first = raw[sides[0]]
     print(f"\n# {cpu_name()}, {first['threads']} threads, model dtype {first['dtype']}; {a.steps} steps of "
           f"{a.problems} problems x {a.group} samples, <= {a.max_new_tokens} new tokens, micro-batches of {a.micro}")
@@ -233,8 +292,14 @@ def main() -> None:
     for y in (r for r in rows if r is not x):
         print(f"{x['side']} / {y['side']}: seconds per step {y['seconds'] / x['seconds']:.2f}x faster, "
               f"tokens/s {x['tokens_per_s'] / y['tokens_per_s']:.2f}x, memory {x['rss_gib'] / y['rss_gib']:.2f}x")
+    if scores:
+        print(f"\n# held out: {a.eval} problems, marft's evaluation (temperature 0.6), after {a.steps} steps")
+        print("| | accuracy | 95% interval |")
+        print("|---|---|---|")
+        for label, r in scores.items():
+            print(f"| {label} | {100 * r['accuracy']:.1f}% | {100 * r['ci95'][0]:.1f}-{100 * r['ci95'][1]:.1f}% |")
     if a.json:
-        Path(a.json).write_text(json.dumps({"rows": rows, "raw": raw, "cpu": cpu_name()}, indent=1))
+        Path(a.json).write_text(json.dumps({"rows": rows, "raw": raw, "cpu": cpu_name(), "held_out": scores}, indent=1))
 
 
 if __name__ == "__main__":
