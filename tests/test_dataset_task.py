@@ -203,6 +203,64 @@ def test_reward_gets_the_reply_and_a_copy_of_the_whole_record(data_file, rewards
     assert env.problem.answer == "38" and env.problem.meta["record"]["answer"] == "38"
 
 
+TRL_REWARDS = '''
+SEEN = []
+def accuracy(completions, answer, **kwargs):         # as written for TRL's GRPOTrainer
+    SEEN.append((completions, answer, kwargs))
+    return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]
+def named(prompts, completions, id):                  # no **kwargs: given only what it names
+    return [float(id == [3] and prompts == ["What is 3 + 3?"] and completions == ["6"])]
+def two(completions, **kwargs):
+    return [1.0, 0.0]
+def ids(completions, completion_ids, **kwargs):
+    return [1.0]
+def unrelated(reply, record, completions=None):       # marft's own signature, with a parameter so named
+    return 1.0
+async def later(completions, **kwargs):
+    return [1.0]
+'''
+
+
+@pytest.fixture
+def trl_rewards(tmp_path) -> Path:
+    path = tmp_path / "trl_rewards.py"
+    path.write_text(TRL_REWARDS)
+    return path
+
+
+def test_a_trl_reward_function_is_called_as_trl_calls_it(data_file, trl_rewards):
+    env = factory(dataset=str(data_file), reward=f"{trl_rewards}:accuracy")()
+    seen = load_reward(f"{trl_rewards}:accuracy").fn.__globals__["SEEN"]
+    seen.clear()
+    env.reset(options={"split": "train", "index": 3})  # What is 3 + 3? -> 6
+    assert play(env, {"p": "add", "s": " 6 "})[1] == 1.0
+    env.reset(options={"split": "train", "index": 3})
+    assert play(env, {"p": "add", "s": "5"})[1] == 0.0
+    assert seen[0] == ([" 6 "], ["6"], {"prompts": ["What is 3 + 3?"], "question": ["What is 3 + 3?"], "id": [3]})
+
+    env = factory(dataset=str(data_file), reward=f"{trl_rewards}:named")()  # only the keywords it takes
+    env.reset(options={"split": "train", "index": 3})
+    assert play(env, {"p": "add", "s": "6"})[1] == 1.0
+
+    env = factory(dataset=str(data_file), reward=f"{trl_rewards}:two")()
+    env.reset(options={"split": "train", "index": 0})
+    env.step("plan")
+    with pytest.raises(UserError, match=r"raised ValueError: a TRL reward function returns one reward per completion; "
+                                        r"for one completion it returned 2 values on record"):
+        env.step("answer")
+
+    with pytest.raises(UserError, match=r"needs completion_ids, which marft does not pass to a TRL reward function .*"
+                                        r"give it a default: ids\(completions, completion_ids, \*\*kwargs\)"):
+        factory(dataset=str(data_file), reward=f"{trl_rewards}:ids")
+
+    with pytest.raises(UserError, match=r"task.reward .*:later' is an async function; marft calls reward functions as "
+                                        r"plain functions: define it with def, not async def"):
+        factory(dataset=str(data_file), reward=f"{trl_rewards}:later")
+    env = factory(dataset=str(data_file), reward=f"{trl_rewards}:unrelated")()  # reply beside completions: marft's
+    env.reset(options={"split": "train", "index": 0})
+    assert play(env, {"p": "add", "s": "x"})[1] == 1.0
+
+
 @pytest.mark.parametrize("fn, message", [
     ("text", r"task.reward .*rewards.py:text returned '1' \(str\) on record 0 of the test split; it must return a finite number or a bool"),
     ("nan", r"returned nan \(float\) on record 0 of the test split"),
@@ -235,7 +293,8 @@ def test_errors(tmp_path, data_file, rewards):
          r"has no function 'exct' \(its functions: echo, exact, flag, half, nan, nothing, one_arg, raises, text\)"),
         (dict(dataset=str(data_file), reward=f"{rewards}:NOT_CALLABLE"), r"is a int, not a function reward\(reply, record\)"),
         (dict(dataset=str(data_file), reward=f"{rewards}:one_arg"),
-         r"must take two arguments, reward\(reply, record\); its signature is one_arg\(reply\)"),
+         r"must take two arguments, reward\(reply, record\) \(or, as a TRL reward function, completions and \*\*kwargs\); "
+         r"its signature is one_arg\(reply\)"),
         (dict(dataset=str(data_file)), r"task.kind dataset needs task.reward"),
         (dict(dataset=str(data_file), reward=r, test_split="validation"),
          r"has no split 'validation' \(its splits: train\); set task.test_split"),
@@ -367,7 +426,7 @@ def row_folder(tmp_path, monkeypatch):
     (["task.dataset=data/qa.jsonl", "task.reward=my_reward.py:scor"], "task.reward 'my_reward.py:scor': module "
      "'my_reward.py' has no function 'scor' (its functions: one, score, text); check the name after ':'"),
     (["task.dataset=data/qa.jsonl", "task.reward=my_reward.py:one"], "task.reward 'my_reward.py:one' must take two "
-     "arguments, reward(reply, record); its signature is one(reply)"),
+     "arguments, reward(reply, record) (or, as a TRL reward function, completions and **kwargs); its signature is one(reply)"),
 ])
 def test_errors_md_rows(row_folder, capsys, args, message):
     """The rows of docs/errors.md for task.kind=dataset, through marft eval: one line, status 2."""

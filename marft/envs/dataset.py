@@ -36,6 +36,13 @@ solved (``success``, and the end of a multi-turn episode) when its reward is at 
 ``task.success_threshold`` (default 1.0). ``extracted`` is True for a non-empty reply (a reward
 function does not say whether it could read an answer).
 
+A reward function written for TRL's trainers (a parameter ``completions``, none ``reply``)::
+
+    def accuracy(completions, answer, **kwargs) -> list[float]:
+
+is called as TRL calls it, one reply at a time (:class:`TRLReward`): ``prompts``, ``completions``
+and the record's columns as lists of one value, its list of one number the reward.
+
 Data sets are loaded once per process and settings and shared by the environment instances of a
 rollout; reward functions are imported once per process.
 """
@@ -240,11 +247,14 @@ def load_splits(dataset: str, dataset_config: str = "", train_split: str = "trai
 
 # --- the reward --------------------------------------------------------------------------------------
 
-def load_reward(spec: str) -> Callable[[str, dict], Any]:
-    """The function named by ``"package.module:function"`` or ``"path/to/file.py:function"``.
+def load_reward(spec: str, prompt_column: str = "question") -> Callable[[str, dict], Any]:
+    """The function named by ``"package.module:function"`` or ``"path/to/file.py:function"``, as a
+    ``reward(reply, record)``: a TRL-style reward function (a parameter ``completions``, none
+    ``reply``) wrapped by :class:`TRLReward`, whose ``prompts`` are the records' ``prompt_column``.
 
     Raises :class:`UserError` when the spec is malformed, the module cannot be imported, it has no
-    such attribute, the attribute is not callable, or it cannot be called as ``reward(reply, record)``.
+    such attribute, the attribute is not callable, or it cannot be called as ``reward(reply, record)``
+    (nor, TRL-style, with the keywords marft passes).
     """
     from marft.envs.check import import_user_module
 
@@ -258,7 +268,7 @@ def load_reward(spec: str) -> Callable[[str, dict], Any]:
         stamp = (os.path.abspath(module_name), st.st_mtime_ns, st.st_size)
     with _LOCK:
         if (spec, stamp) in _REWARDS:
-            return _REWARDS[(spec, stamp)]
+            return _styled(_REWARDS[(spec, stamp)], prompt_column)
     try:
         module = import_user_module(module_name, "marft_user_reward_")
     except UserError as e:
@@ -271,19 +281,85 @@ def load_reward(spec: str) -> Callable[[str, dict], Any]:
         raise UserError(f"task.reward {spec!r}: module {module_name!r} has no function {attr!r}{listed}; check the name after ':'")
     if not callable(fn):
         raise UserError(f"task.reward {spec!r} is a {type(fn).__name__}, not a function reward(reply, record)")
+    if inspect.iscoroutinefunction(fn):
+        raise UserError(f"task.reward {spec!r} is an async function; marft calls reward functions as plain functions: "
+                        "define it with def, not async def")
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
         sig = None  # some builtins have no signature: their calls will tell
-    if sig is not None:
+    if sig is not None and TRLReward.written_for_trl(sig):
+        TRLReward.check(sig, spec, attr)
+    elif sig is not None:
         try:
             sig.bind("reply", {})
         except TypeError:
-            raise UserError(f"task.reward {spec!r} must take two arguments, reward(reply, record); "
-                            f"its signature is {attr}{sig}") from None
+            raise UserError(f"task.reward {spec!r} must take two arguments, reward(reply, record) (or, as a TRL reward "
+                            f"function, completions and **kwargs); its signature is {attr}{sig}") from None
     with _LOCK:
         _REWARDS[(spec, stamp)] = fn
-    return fn
+    return _styled(fn, prompt_column)
+
+
+def _styled(fn: Callable, prompt_column: str) -> Callable[[str, dict], Any]:
+    try:
+        trl = TRLReward.written_for_trl(inspect.signature(fn))
+    except (TypeError, ValueError):
+        trl = False
+    return TRLReward(fn, prompt_column) if trl else fn
+
+
+class TRLReward:
+    """A reward function written for TRL's trainers, called as TRL calls it, one reply at a time::
+
+        def accuracy(completions, answer, **kwargs) -> list[float]:
+
+    with the keywords ``prompts`` (the record's prompt column, as text), ``completions`` (the reply,
+    as text: TRL's standard format, not its conversational one) and every column of the record,
+    each a list of one value (as TRL passes a batch's columns); keywords the function does not take
+    are left out unless it has ``**kwargs``. Its list of one number is the reward. TRL's
+    ``completion_ids``, ``trainer_state``, ``log_extra``, ``log_metric`` and ``environments`` are not
+    passed; ``async`` functions are refused when loaded."""
+
+    GIVEN = ("prompts", "completions")
+
+    @staticmethod
+    def written_for_trl(sig: inspect.Signature) -> bool:
+        """TRL's reward functions take ``completions``; marft's, ``reply`` (and a parameter named
+        ``completions`` beside ``reply`` leaves a function marft's)."""
+        return "completions" in sig.parameters and "reply" not in sig.parameters
+
+    def __init__(self, fn: Callable, prompt_column: str):
+        self.fn, self.prompt_column = fn, prompt_column
+        params = inspect.signature(fn).parameters
+        self.takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        self.names = set(params)
+
+    @staticmethod
+    def check(sig: inspect.Signature, spec: str, attr: str) -> None:
+        """A :class:`UserError` when the function needs what marft does not pass."""
+        needed = [n for n, p in sig.parameters.items() if p.default is p.empty
+                  and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        if any(sig.parameters[n].kind is inspect.Parameter.POSITIONAL_ONLY for n in needed):
+            raise UserError(f"task.reward {spec!r} looks like a TRL reward function (it takes completions) but has "
+                            f"positional-only parameters; TRL and marft call it by keyword: {attr}{sig}")
+        missing = [n for n in needed if n in ("completion_ids", "trainer_state", "log_extra", "log_metric", "environments")]
+        if missing:
+            raise UserError(f"task.reward {spec!r} needs {missing[0]}, which marft does not pass to a TRL reward function "
+                            f"(it passes prompts, completions and the record's columns); give it a default: {attr}{sig}")
+
+    def __call__(self, reply: str, record: dict) -> Any:
+        given = {"prompts": [record.get(self.prompt_column)], "completions": [reply],
+                 **{k: [v] for k, v in record.items() if k not in self.GIVEN}}
+        if not self.takes_all:
+            given = {k: v for k, v in given.items() if k in self.names}
+        value = self.fn(**given)
+        if isinstance(value, (list, tuple)):
+            if len(value) != 1:
+                raise ValueError(f"a TRL reward function returns one reward per completion; for one completion it "
+                                 f"returned {len(value)} values")
+            value = value[0]
+        return value
 
 
 def score_reply(fn: Callable, spec: str, reply: str, record: dict, where: str, agents: list[str] | None = None):
@@ -339,7 +415,7 @@ class DatasetEnv(TurnBasedEnv):
         if not isinstance(instruction, str):
             raise UserError(f"task.options instruction must be text, got {instruction!r}")
         self.data = load_splits(dataset, dataset_config, train_split, test_split, prompt_column, answer_column)
-        self.reward_fn = load_reward(reward)
+        self.reward_fn = load_reward(reward, prompt_column)
         self.dataset, self.reward, self.splits = dataset, reward, {"train": train_split, "test": test_split}
         self.prompt_column, self.answer_column = prompt_column, answer_column
         self.success_threshold = float(success_threshold)
