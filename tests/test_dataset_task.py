@@ -469,12 +469,17 @@ VOWEL_REWARD = '''
 def vowel(reply, record):
     """1 when the reply starts with a vowel (about 1 in 10 for the untrained tiny model)."""
     return reply.strip()[:1].lower() in tuple("aeiou")
+
+def vowel_trl(completions, **kwargs):
+    """The same, written for TRL's GRPOTrainer."""
+    return [float(c.strip()[:1].lower() in tuple("aeiou")) for c in completions]
 '''
 
 
 def test_team_learns_a_dataset_task(tiny_model_dir, vowel_env_path, tmp_path):
     """The vowel check of tests/test_train.py with the task as a JSONL file and a reward function: it
-    learns, and its rewards are those of the class-based Vowel task (same prompt, same seeds)."""
+    learns, and its rewards are those of the class-based Vowel task (same prompt, same seeds), with
+    the reward written for marft and written for TRL alike."""
     from marft.api import prepare
     from marft.trainer import Trainer
 
@@ -488,7 +493,8 @@ def test_team_learns_a_dataset_task(tiny_model_dir, vowel_env_path, tmp_path):
               f"output_dir={tmp_path / 'run'}", "train.algorithm=marft"]
     curves = []
     for task in (["task.kind=dataset", f"task.dataset={data}", f"task.reward={reward}:vowel", "task.answer_column="],
-                 ["task.kind=custom", f"task.env={vowel_env_path}:Vowel"]):
+                 ["task.kind=custom", f"task.env={vowel_env_path}:Vowel"],
+                 ["task.kind=dataset", f"task.dataset={data}", f"task.reward={reward}:vowel_trl", "task.answer_column="]):
         cfg = load_config("configs/duo_arithmetic.yaml", common + task)
         team, models, make_env = prepare(cfg)
         tr = Trainer(cfg, team, models, make_env, log=lambda m: None)
@@ -496,7 +502,7 @@ def test_team_learns_a_dataset_task(tiny_model_dir, vowel_env_path, tmp_path):
     rewards = curves[0]
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
     assert last >= first + 0.25, rewards
-    assert curves[0] == curves[1], curves
+    assert curves[0] == curves[1] == curves[2], curves
 
 
 def test_a_reward_function_that_calls_sys_exit_is_one_line():
@@ -507,3 +513,24 @@ def test_a_reward_function_that_calls_sys_exit_is_one_line():
 
     with pytest.raises(UserError, match="task.reward r.py:f raised SystemExit"):
         score_reply(lambda reply, record: _sys.exit(3), "r.py:f", "x", {}, "problem 0")
+
+
+def test_the_trl_style_example_config_trains(tiny_overrides, capsys):
+    """configs/solo_grpo.yaml (one agent, GRPO, examples/trl_rewards.py:accuracy written for TRL):
+    its reward grades as written, and one iteration trains and saves on the tiny model."""
+    from marft.api import env_factory
+    from marft.team import build_team
+
+    cfg = load_config(str(ROOT / "configs" / "solo_grpo.yaml"))
+    assert (cfg.team.preset, cfg.train.algorithm, cfg.task.reward) == ("solo", "grpo", "examples/trl_rewards.py:accuracy")
+    env = env_factory(cfg, build_team(cfg.team))()
+    env.reset(options={"split": "test", "index": 0})
+    gold = env.problem.answer
+    assert play(env, {"solver": f"So the sum is \\boxed{{{gold}}}."})[1] == 1.0
+    env.reset(options={"split": "test", "index": 0})
+    assert play(env, {"solver": f"\\boxed{{{int(gold) + 1}}}"})[1] == 0.0
+    assert main(["train", str(ROOT / "configs" / "solo_grpo.yaml"), *tiny_overrides, "train.iterations=1",
+                 "eval.samples=1", "eval.before=false"]) == 0
+    run = Path([o for o in tiny_overrides if o.startswith("output_dir=")][0].split("=", 1)[1])
+    assert (run / "checkpoints" / "iter_000001" / "adapters" / "solver" / "adapter_config.json").is_file()
+    capsys.readouterr()
