@@ -1,7 +1,7 @@
 """marft beside TRL: the same GRPO work, one optimiser step at a time, speed and memory.
 
     bash scripts/setup.sh --trl                      # once: .venv-trl, the same marft with TRL 1.16.0
-    .venv/bin/python benchmarks/vs_trl.py            # 8 steps each, marft first
+    .venv/bin/python benchmarks/vs_trl.py --json results/vs_trl/speed_8_steps.json   # 8 steps each, marft first
     .venv/bin/python benchmarks/vs_trl.py --steps 12 --order trl,marft,trl-defaults
     .venv/bin/python benchmarks/vs_trl.py --steps 40 --eval 256 --seed 0 --json results/vs_trl/seed0.json
     .venv/bin/python benchmarks/vs_trl.py --table results/vs_trl/seed*.json   # those runs over seeds
@@ -15,10 +15,13 @@ entropy bonus 0.01, one pass over the batch (so neither side needs a separate pa
 log-probabilities). The prompts are the same text on both sides: marft's chat for the solver,
 rendered with the tokenizer's chat template and handed to TRL as plain text.
 
-The sides: ``marft``; ``trl``, TRL's ``GRPOTrainer`` doing the same computation (the model in the
-dtype marft loads it in, adapters in float32 as peft makes them, no autocast, no gradient
-checkpointing); ``trl-defaults``, the same with TRL's own default of gradient checkpointing (less
-activation memory for a second forward pass in the backward).
+The sides: ``marft``; ``trl``, TRL's ``GRPOTrainer`` doing the same algorithm's work (the model in
+the dtype marft loads it in, adapters in float32 as peft makes them, no autocast, no gradient
+checkpointing; how each computes it differs: marft skips padding, runs a shared prompt prefix once
+and drops finished rows); ``trl-defaults``, the same with TRL's default gradient checkpointing (less
+activation memory for a second forward pass in the backward), TRL's other default, bf16 autocast,
+still off (the model is in bf16 already). Memory is each process's peak resident set, all of it
+(the TRL process also imports trl and datasets).
 
 Each side runs in a process of its own (``.venv`` for marft, ``.venv-trl`` for TRL, both with the
 same torch, transformers and peft), with the same number of torch threads; this script starts them

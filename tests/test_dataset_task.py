@@ -218,6 +218,19 @@ def unrelated(reply, record, completions=None):       # marft's own signature, w
     return 1.0
 async def later(completions, **kwargs):
     return [1.0]
+def by_prompt(prompts, completions, **kwargs):
+    return [float(prompts == ["What is 2 + 2?"] and "problem" in kwargs)]
+def as_tensor(completions, **kwargs):
+    import torch
+    return torch.tensor([0.5])
+def as_generator(completions, **kwargs):
+    return (0.25 for _ in completions)
+def not_applicable(completions, **kwargs):
+    return [None]
+def needs_solution(completions, solution, **kwargs):
+    return [1.0]
+def positional(completions, /, **kwargs):
+    return [1.0]
 '''
 
 
@@ -256,6 +269,32 @@ def test_a_trl_reward_function_is_called_as_trl_calls_it(data_file, trl_rewards)
     with pytest.raises(UserError, match=r"task.reward .*:later' is an async function; marft calls reward functions as "
                                         r"plain functions: define it with def, not async def"):
         factory(dataset=str(data_file), reward=f"{trl_rewards}:later")
+    for fn, value in (("as_tensor", 0.5), ("as_generator", 0.25)):  # whatever TRL iterates
+        env = factory(dataset=str(data_file), reward=f"{trl_rewards}:{fn}")()
+        env.reset(options={"split": "train", "index": 0})
+        assert play(env, {"p": "add", "s": "x"})[1] == value
+    env = factory(dataset=str(data_file), reward=f"{trl_rewards}:not_applicable")()
+    env.reset(options={"split": "train", "index": 0})
+    env.step("plan")
+    with pytest.raises(UserError, match=r"raised ValueError: returned \[None\] \(TRL's 'not applicable', which it skips\)"):
+        env.step("answer")
+    with pytest.raises(UserError, match=r"takes 'solution', which is no column of the data set \(its columns: question, "
+                                        r"answer, id\); a TRL reward function gets the columns by name"):
+        factory(dataset=str(data_file), reward=f"{trl_rewards}:needs_solution")
+    with pytest.raises(UserError, match=r"has positional-only parameters; TRL and marft call it by keyword"):
+        factory(dataset=str(data_file), reward=f"{trl_rewards}:positional")
+    clash = write_jsonl(data_file.parent / "clash.jsonl", [{**r, "completions": "x"} for r in records(20)])
+    with pytest.raises(UserError, match=r"the data set has a column 'completions' too; rename that column"):
+        factory(dataset=str(clash), reward=f"{trl_rewards}:accuracy")
+
+    # prompts come from task.prompt_column, also when the function was loaded (cached) for another column
+    other = write_jsonl(data_file.parent / "problems.jsonl",
+                        [{"problem": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(20)])
+    factory(dataset=str(data_file), reward=f"{trl_rewards}:by_prompt")()
+    env = factory(dataset=str(other), reward=f"{trl_rewards}:by_prompt", prompt_column="problem")()
+    env.reset(options={"split": "train", "index": 2})
+    assert play(env, {"p": "add", "s": "4"})[1] == 1.0
+
     env = factory(dataset=str(data_file), reward=f"{trl_rewards}:unrelated")()  # reply beside completions: marft's
     env.reset(options={"split": "train", "index": 0})
     assert play(env, {"p": "add", "s": "x"})[1] == 1.0

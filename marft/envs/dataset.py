@@ -317,9 +317,11 @@ class TRLReward:
     with the keywords ``prompts`` (the record's prompt column, as text), ``completions`` (the reply,
     as text: TRL's standard format, not its conversational one) and every column of the record,
     each a list of one value (as TRL passes a batch's columns); keywords the function does not take
-    are left out unless it has ``**kwargs``. Its list of one number is the reward. TRL's
-    ``completion_ids``, ``trainer_state``, ``log_extra``, ``log_metric`` and ``environments`` are not
-    passed; ``async`` functions are refused when loaded."""
+    are left out unless it has ``**kwargs``. What it returns for that one reply (a list, a tuple, an
+    array: anything TRL iterates) holds the reward. TRL's ``completion_ids``, ``trainer_state``,
+    ``log_extra``, ``log_metric`` and ``environments`` are not passed; ``async`` functions are
+    refused when loaded, and so (by :meth:`check_columns`) are required parameters that are no
+    column of the data set."""
 
     GIVEN = ("prompts", "completions")
 
@@ -348,17 +350,37 @@ class TRLReward:
             raise UserError(f"task.reward {spec!r} needs {missing[0]}, which marft does not pass to a TRL reward function "
                             f"(it passes prompts, completions and the record's columns); give it a default: {attr}{sig}")
 
+    def check_columns(self, spec: str, columns: list[str]) -> None:
+        """A :class:`UserError` when the data set has a column TRL's keywords would collide with, or
+        the function requires a parameter that is no column (TRL fails there too, at its first call)."""
+        clash = [c for c in columns if c in self.GIVEN]
+        if clash:
+            raise UserError(f"task.reward {spec!r} is a TRL reward function, called with prompts= and completions=, but "
+                            f"the data set has a column {clash[0]!r} too; rename that column")
+        params = inspect.signature(self.fn).parameters
+        needed = [n for n, p in params.items() if p.default is p.empty and n not in self.GIVEN
+                  and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        missing = [n for n in needed if n not in columns]
+        if missing:
+            raise UserError(f"task.reward {spec!r} takes {missing[0]!r}, which is no column of the data set (its columns: "
+                            f"{', '.join(columns)}); a TRL reward function gets the columns by name")
+
     def __call__(self, reply: str, record: dict) -> Any:
         given = {"prompts": [record.get(self.prompt_column)], "completions": [reply],
                  **{k: [v] for k, v in record.items() if k not in self.GIVEN}}
         if not self.takes_all:
             given = {k: v for k, v in given.items() if k in self.names}
         value = self.fn(**given)
-        if isinstance(value, (list, tuple)):
+        if hasattr(value, "tolist"):  # a NumPy array or a tensor
+            value = value.tolist()
+        if not isinstance(value, (str, bytes, dict)) and hasattr(value, "__iter__"):
+            value = list(value)
             if len(value) != 1:
                 raise ValueError(f"a TRL reward function returns one reward per completion; for one completion it "
                                  f"returned {len(value)} values")
             value = value[0]
+            if value is None:
+                raise ValueError("returned [None] (TRL's 'not applicable', which it skips); marft needs a number for every reply")
         return value
 
 
@@ -416,6 +438,8 @@ class DatasetEnv(TurnBasedEnv):
             raise UserError(f"task.options instruction must be text, got {instruction!r}")
         self.data = load_splits(dataset, dataset_config, train_split, test_split, prompt_column, answer_column)
         self.reward_fn = load_reward(reward, prompt_column)
+        if isinstance(self.reward_fn, TRLReward):
+            self.reward_fn.check_columns(reward, list(self.data["train"].column_names))
         self.dataset, self.reward, self.splits = dataset, reward, {"train": train_split, "test": test_split}
         self.prompt_column, self.answer_column = prompt_column, answer_column
         self.success_threshold = float(success_threshold)
