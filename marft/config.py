@@ -573,7 +573,9 @@ def _build(tp: Any, value: Any, where: str) -> Any:
     if tp is int and isinstance(value, float) and value.is_integer():  # 2.0 (older run folders wrote some so)
         return int(value)
     if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
-        raise UserError(f"config: {where} must be {_type_name(tp)}, got {value!r}")
+        several = ("; it names one function: for several (TRL's reward_funcs), write one that returns their "
+                   "weighted sum") if where.endswith(".reward") and isinstance(value, list) else ""
+        raise UserError(f"config: {where} must be {_type_name(tp)}, got {value!r}{several}")
     return value
 
 

@@ -335,6 +335,8 @@ def test_errors(tmp_path, data_file, rewards):
          r"must take two arguments, reward\(reply, record\) \(or, as a TRL reward function, completions and \*\*kwargs\); "
          r"its signature is one_arg\(reply\)"),
         (dict(dataset=str(data_file)), r"task.kind dataset needs task.reward"),
+        (dict(dataset=str(data_file), reward=[r, r]), r"task.reward must be one 'package.module:function' .*; for several "
+                                                       r"\(TRL's reward_funcs\), write one function that returns their weighted sum"),
         (dict(dataset=str(data_file), reward=r, test_split="validation"),
          r"has no split 'validation' \(its splits: train\); set task.test_split"),
         (dict(dataset="openai/gsm8k", dataset_config="main", reward=r),  # conftest sets HF_HUB_OFFLINE=1
@@ -397,6 +399,9 @@ def test_config_keys_and_validation(data_file, rewards):
     with pytest.raises(UserError, match="task.success_threshold must be a finite number"):
         load_config(None, ["task.kind=dataset", f"task.dataset={data_file}", f"task.reward={rewards}:exact",
                            "task.success_threshold=.nan"])
+    with pytest.raises(UserError, match=r"config: task.reward must be a string, got \['a.py:f', 'b.py:g'\]; it names one "
+                                        r"function: for several \(TRL's reward_funcs\), write one that returns their weighted sum"):
+        load_config(None, ["task.kind=dataset", f"task.dataset={data_file}", "task.reward=[a.py:f, b.py:g]"])
     cfg = load_config("configs/dataset_gsm8k.yaml")  # the example: valid without network (nothing is loaded yet)
     assert (cfg.task.kind, cfg.task.dataset, cfg.task.dataset_config) == ("dataset", "openai/gsm8k", "main")
 

@@ -258,6 +258,9 @@ def load_reward(spec: str, prompt_column: str = "question") -> Callable[[str, di
     """
     from marft.envs.check import import_user_module
 
+    if not isinstance(spec, str):
+        raise UserError(f"task.reward must be one 'package.module:function' or 'path/to/file.py:function', got {spec!r}; "
+                        "for several (TRL's reward_funcs), write one function that returns their weighted sum")
     module_name, _, attr = (spec or "").rpartition(":")
     if not module_name or not attr:
         raise UserError(f"task.reward {spec!r} must look like 'package.module:function' or 'path/to/file.py:function'")
