@@ -199,7 +199,13 @@ def table(files: list[str]) -> None:
     interval over seeds, and the difference of the first two sides (Welch)."""
     from marft.report import seed_interval, welch_interval
 
-    runs = [json.loads(Path(f).read_text()) for f in files]
+    missing = [f for f in files if not Path(f).is_file()]
+    if missing:
+        sys.exit(f"vs_trl --table: {missing[0]} does not exist; give the --json files of runs with --eval N")
+    try:
+        runs = [json.loads(Path(f).read_text()) for f in files]
+    except ValueError as e:
+        sys.exit(f"vs_trl --table: a file is not a vs_trl JSON result ({e}); give the --json files of runs with --eval N")
     runs = [r for r in runs if r.get("held_out")]
     if not runs:
         sys.exit("vs_trl --table: none of these files has held-out scores (runs with --eval N)")
