@@ -87,7 +87,7 @@ def run_marft(a: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         m = tr.iteration_step()
         steps.append({"seconds": time.perf_counter() - t0, "tokens": int(m["tokens"]),
-                      "reward": float(m.get("reward", m.get("success", float("nan")))),
+                      "reward": float(m["reward"]),
                       "generation_s": float(m["generation_s"])})
     dtype = str(next(tr._base().parameters()).dtype).replace("torch.", "")
     if a.save:

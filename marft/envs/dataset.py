@@ -69,7 +69,7 @@ LOCAL_HINT = "use a local file or folder instead: task.dataset=path/to/train.jso
 
 _LOCK = threading.Lock()
 _DATA: dict[tuple, dict[str, Any]] = {}  # (source, settings) -> {"train": Dataset, "test": Dataset}
-_REWARDS: dict[tuple, Callable] = {}  # (spec, file stamp) -> the function
+_REWARDS: dict[tuple, tuple[Callable, bool]] = {}  # (spec, file stamp) -> (the function, written for TRL)
 
 
 # --- loading ---------------------------------------------------------------------------------------
@@ -271,7 +271,7 @@ def load_reward(spec: str, prompt_column: str = "question") -> Callable[[str, di
         stamp = (os.path.abspath(module_name), st.st_mtime_ns, st.st_size)
     with _LOCK:
         if (spec, stamp) in _REWARDS:
-            return _styled(_REWARDS[(spec, stamp)], prompt_column)
+            return _styled(*_REWARDS[(spec, stamp)], prompt_column)
     try:
         module = import_user_module(module_name, "marft_user_reward_")
     except UserError as e:
@@ -291,7 +291,8 @@ def load_reward(spec: str, prompt_column: str = "question") -> Callable[[str, di
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
         sig = None  # some builtins have no signature: their calls will tell
-    if sig is not None and TRLReward.written_for_trl(sig):
+    trl = sig is not None and TRLReward.written_for_trl(sig)
+    if trl:
         TRLReward.check(sig, spec, attr)
     elif sig is not None:
         try:
@@ -300,15 +301,11 @@ def load_reward(spec: str, prompt_column: str = "question") -> Callable[[str, di
             raise UserError(f"task.reward {spec!r} must take two arguments, reward(reply, record) (or, as a TRL reward "
                             f"function, completions and **kwargs); its signature is {attr}{sig}") from None
     with _LOCK:
-        _REWARDS[(spec, stamp)] = fn
-    return _styled(fn, prompt_column)
+        _REWARDS[(spec, stamp)] = (fn, trl)
+    return _styled(fn, trl, prompt_column)
 
 
-def _styled(fn: Callable, prompt_column: str) -> Callable[[str, dict], Any]:
-    try:
-        trl = TRLReward.written_for_trl(inspect.signature(fn))
-    except (TypeError, ValueError):
-        trl = False
+def _styled(fn: Callable, trl: bool, prompt_column: str) -> Callable[[str, dict], Any]:
     return TRLReward(fn, prompt_column) if trl else fn
 
 
@@ -341,10 +338,15 @@ class TRLReward:
         self.names = set(params)
 
     @staticmethod
+    def _needed(sig: inspect.Signature) -> list[str]:
+        """The parameters a call must give (no default, not ``*args``/``**kwargs``)."""
+        return [n for n, p in sig.parameters.items() if p.default is p.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+    @staticmethod
     def check(sig: inspect.Signature, spec: str, attr: str) -> None:
         """A :class:`UserError` when the function needs what marft does not pass."""
-        needed = [n for n, p in sig.parameters.items() if p.default is p.empty
-                  and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        needed = TRLReward._needed(sig)
         if any(sig.parameters[n].kind is inspect.Parameter.POSITIONAL_ONLY for n in needed):
             raise UserError(f"task.reward {spec!r} looks like a TRL reward function (it takes completions) but has "
                             f"positional-only parameters; TRL and marft call it by keyword: {attr}{sig}")
@@ -360,10 +362,7 @@ class TRLReward:
         if clash:
             raise UserError(f"task.reward {spec!r} is a TRL reward function, called with prompts= and completions=, but "
                             f"the data set has a column {clash[0]!r} too; rename that column")
-        params = inspect.signature(self.fn).parameters
-        needed = [n for n, p in params.items() if p.default is p.empty and n not in self.GIVEN
-                  and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        missing = [n for n in needed if n not in columns]
+        missing = [n for n in self._needed(inspect.signature(self.fn)) if n not in self.GIVEN and n not in columns]
         if missing:
             raise UserError(f"task.reward {spec!r} takes {missing[0]!r}, which is no column of the data set (its columns: "
                             f"{', '.join(columns)}); a TRL reward function gets the columns by name")
