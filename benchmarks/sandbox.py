@@ -1,10 +1,11 @@
 """Programs executed per second in the sandbox, with 1..N workers, against an unisolated baseline.
 
-    .venv/bin/python benchmarks/sandbox.py [--programs 64] [--workers 1 2 4 8]
+    .venv/bin/python benchmarks/sandbox.py [--programs 64] [--workers 1 2 4 8] [--mbpp path/to/mbpp.jsonl]
 
 Two workloads: a trivial program (``print(1)``: the fixed cost of one sandboxed run), and MBPP's
 canonical solutions graded by ``run_tests`` (what grading a rollout costs: the sandboxed harness
-and the checker process beside it; needs ../shared/data/mbpp/mbpp.jsonl, otherwise a synthetic
+and the checker process beside it; MBPP from ``--mbpp``, by default ``hf:google-research-datasets/mbpp:full``:
+the Hub, or its local copy where ``MARFT_DATA_DIR`` is set; where neither can be read, a synthetic
 three-test problem is used). For grading it also reports the CPU time per program, summed over
 every process involved, which a busy machine disturbs far less than the throughput. The baseline is
 the same program run with ``subprocess.run([python, "-I", "-S", ...])`` and no isolation or limits,
@@ -24,9 +25,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from marft.envs.code import CodeProblem, load_mbpp, run_tests  # noqa: E402
+from marft.errors import UserError  # noqa: E402
 from marft.sandbox import Limits, Sandbox  # noqa: E402
 
-MBPP = Path(__file__).resolve().parents[2] / "shared" / "data" / "mbpp" / "mbpp.jsonl"
+MBPP = "hf:google-research-datasets/mbpp:full"
 
 
 def baseline(n: int) -> float:
@@ -43,12 +45,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--programs", type=int, default=64)
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--mbpp", default=MBPP, help="MBPP: an mbpp.jsonl file or an hf: reference (default: %(default)s)")
     a = ap.parse_args()
     print(f"{os.cpu_count()} CPU cores; protections: {', '.join(Sandbox().protections())}")
-    if MBPP.exists():
-        problems = [p for p in load_mbpp(str(MBPP)).values() if 11 <= p.task_id <= 510][: a.programs]
+    try:
+        problems = [p for p in load_mbpp(a.mbpp).values() if 11 <= p.task_id <= 510][: a.programs]
         label = f"MBPP canonical solutions, first {len(problems)} of the test split"
-    else:
+    except UserError as e:
+        print(f"MBPP not read ({e}): a synthetic problem instead")
         p = CodeProblem("x", "", ["assert f(1) == 2", "assert f(2) == 4", "assert f(0) == 0"], "f", "", "",
                         "def f(x):\n    return 2 * x\n")
         problems, label = [p] * a.programs, "synthetic problem (MBPP data not found)"

@@ -57,9 +57,16 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
     sv.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
-    ck = sub.add_parser("env-check", help="check that an environment class follows marft's environment API")
-    ck.add_argument("env", help="module:Class or path/to/file.py:Class, or a task kind: math, dataset, code, reasoning_gym, coop")
-    ck.add_argument("options", nargs="*", help="key=value constructor options of the environment")
+    ck = sub.add_parser("env-check", help="check an environment class, or play a few episodes of a workflow (agent program)",
+                        description="Check that an environment follows marft's environment API, or play a few episodes "
+                                    "of a workflow (task.kind: workflow) and report its calls, steps, rewards and failures.")
+    ck.add_argument("env", help="module:Class or path/to/file.py:Class, or a task kind: math, dataset, code, reasoning_gym, "
+                                "coop; a workflow: a config file with task.kind: workflow, or workflow (with "
+                                "workflow=path/to/file.py:function), or the workflow's module:function itself")
+    ck.add_argument("options", nargs="*", help="key=value constructor options of the environment; for a workflow: "
+                                               "overrides of its config (model.name=tiny), or task keys (dataset=..., "
+                                               "reward=...) with workflow")
+    ck.add_argument("--episodes", type=int, default=4, metavar="N", help="a workflow's episodes to play (default 4)")
     ck.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return p
 
@@ -199,8 +206,19 @@ def cmd_serve(args) -> int:
 
 def cmd_env_check(args) -> int:
     from .config import _split_override
-    from .envs.check import main_check
+    from .envs.check import SHIPPED, load_env_class, main_check
+    from .workflow_check import is_workflow_config, looks_like_workflow, main_check_workflow
 
+    # a workflow: its config file, the kind "workflow" with task keys, or the workflow function itself
+    if is_workflow_config(args.env) or args.env == "workflow":
+        return main_check_workflow(args.env, list(args.options), args.episodes)
+    if args.env not in SHIPPED:
+        fn = load_env_class(args.env)
+        if looks_like_workflow(fn):
+            from .workflow import check_workflow
+
+            check_workflow(fn, args.env)  # workflow(problem, client): a wrong signature is one line, now
+            return main_check_workflow(args.env, list(args.options), args.episodes)
     options = dict(_split_override(o, "env-check option", "seed=1") for o in args.options)
     return main_check(args.env, options)
 

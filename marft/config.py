@@ -46,7 +46,8 @@ class LoraSettings:
 class ModelConfig:
     name: str = "smollm2-135m"
     """The base model: ``smollm2-135m`` (embedded, offline), a local Hugging Face folder, a hub id,
-    or a ``.gguf`` file."""
+    or a ``.gguf`` file; ``tiny``: a tiny random chat model marft builds offline in a second (cached),
+    for smoke tests of a config, an agent program or ``marft env-check`` (its replies are noise)."""
     dtype: str = "auto"
     """``auto`` (bf16 where the hardware does it well, else fp32), ``bfloat16``, ``float16``, ``float32``."""
     device: str = "auto"
@@ -112,14 +113,19 @@ class TaskConfig:
     :class:`marft.envs.code.CodeEnv`), the dataset task (``instruction``: the text answering agents
     get after the prompt), or keyword arguments of a custom environment."""
     train_path: str = ""
-    """math: the training file (.json list or .jsonl); code: the MBPP file (split by task id)."""
+    """math: the training file (.json list or .jsonl); code: the MBPP file (split by task id). Or a
+    Hub data set, ``hf:REPO[:CONFIG[:SPLIT]]`` (``hf:openai/gsm8k:main:train``), read with ``datasets``
+    or, with the environment variable ``MARFT_DATA_DIR`` set, from its local copy there
+    (:mod:`marft.envs.sources`)."""
     test_path: str = ""
-    """math: the held-out file; code: the MBPP file (either path is enough)."""
+    """math: the held-out file; code: the MBPP file (either path is enough). A file or ``hf:``
+    reference, as ``train_path``."""
     env: str = ""
     """custom: ``module:Class`` or ``path/to/file.py:Class`` of a :class:`marft.envs.TeamEnv`."""
     dataset: str = ""
-    """dataset: a Hub id (``openai/gsm8k``, needs network or the datasets cache), or a local
-    ``.jsonl``/``.json``/``.csv``/``.parquet`` file or a folder of them, read with ``datasets``."""
+    """dataset: a Hub id (``openai/gsm8k``, needs network or the datasets cache, or its local copy
+    in ``MARFT_DATA_DIR``), or a local ``.jsonl``/``.json``/``.csv``/``.parquet`` file or a folder
+    of them, read with ``datasets``."""
     dataset_config: str = ""
     """dataset: the Hub config name (``main`` for openai/gsm8k); empty = none. Unused for local files."""
     train_split: str = "train"
@@ -191,7 +197,10 @@ class RolloutConfig:
     episodes: int = 32
     """Episodes played concurrently (one batched generate call per agent turn)."""
     temperature: float = 1.0
+    """Sampling temperature of the rollouts (the newer reference trains at 1.0); the learner's
+    log-probabilities are the policy at this temperature."""
     top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches this; 1 = off."""
     top_k: int = 0
     """0 = off."""
     max_new_tokens: int = 96
@@ -229,6 +238,8 @@ class EvalConfig:
     temperature: float = 0.6
     """Sampling temperature at evaluation (reference: 0.6); 0 = greedy."""
     seed: int = 1234
+    """Seed of the evaluation's problems' resets and its sampling (apart from the run's seed): the same
+    adapters give the same result."""
     output: str = ""
     """Where the JSON result goes; empty: ``<run.output_dir>/eval.json``."""
     transcripts: int = 4
@@ -301,9 +312,11 @@ class TrainConfig:
     critic_epochs: int = 4
     """Passes of the value head over each batch (its features are computed once)."""
     clip: float = 0.2
+    """PPO's clip range: the ratio to the rollout policy is clipped to [1 - clip, 1 + clip]."""
     value_clip: float = 0.2
     """Clip range of the value update around the rollout values; 0 = off."""
     entropy_coef: float = 0.01
+    """Weight of the entropy bonus in the policy loss (the reference: 0.01); 0 = off."""
     kl_coef: float = 0.0
     """Weight of the k3 KL penalty to the reference policy (the base model); 0 = off."""
     target_kl: float = 0.0
@@ -311,7 +324,10 @@ class TrainConfig:
     action level the ratio is the whole reply's (its log-probabilities summed, ``logprob``), so this
     KL is per reply, not per token: a per-token threshold such as 0.02 would stop nearly every update."""
     max_grad_norm: float = 0.5
+    """Gradients are clipped to this global norm, per adapter and for the critic (the reference: 0.5)."""
     normalize_advantages: bool = True
+    """Advantages whitened (mean 0, standard deviation 1) before the update: over the whole batch, or
+    over each agent's turns where the algorithm says so (``dr-mas``); in a mixture, within each task."""
     logprob: str = "sum"
     """Action log-probability at action level: ``sum`` of token log-probs, ``mean``, or ``word`` (sum / words)."""
     agent_by_agent: int = 0
@@ -402,6 +418,7 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     log: LogConfig = field(default_factory=LogConfig)
     seed: int = 0
+    """The run's seed: problems, sampling, initial adapters and critic head; the same seed gives the same run."""
     output_dir: str = "runs/default"
     """Run folder: metrics, checkpoints, evaluation results."""
     threads: int = 0
@@ -435,11 +452,12 @@ def load_config(path: str | Path | dict | None = None, overrides: list = ()) -> 
     parsed = [o if isinstance(o, tuple) else _split_override(o) for o in overrides]
     _check_kind_override(data, parsed, path)
     file_task = "task" in data and "tasks" not in data
+    file_mixture = bool(data.get("tasks")) and "task" not in data
     late = [(k, v) for k, v in parsed if k.startswith("team.agents")]
     for k, v in parsed:
         if not k.startswith("team.agents"):
             _set_dotted(data, k, v)
-    _one_task_or_mixture(data, parsed, file_task, path)
+    _one_task_or_mixture(data, parsed, file_task, path, file_mixture)
     _expand_preset(data)
     for k, v in late:
         _set_dotted(data, k, v)
@@ -450,15 +468,26 @@ def load_config(path: str | Path | dict | None = None, overrides: list = ()) -> 
     return cfg
 
 
-def _one_task_or_mixture(data: dict, parsed: list[tuple[str, Any]], file_task: bool, path) -> None:
+def _one_task_or_mixture(data: dict, parsed: list[tuple[str, Any]], file_task: bool, path,
+                         file_mixture: bool = False) -> None:
     """``task:`` (one task) or ``tasks:`` (a mixture), not both; a mixture given on the command line
-    (or by a sweep's grid) replaces the file's one task."""
+    (or by a sweep's grid) replaces the file's one task. The error names where both came from: the
+    file, or an override beside the file's other one (``task.kind=...`` on a mixture's file)."""
     if not data.get("tasks") or "task" not in data:
         return
-    touched = lambda name: any(k == name or k.startswith(name + ".") for k, _ in parsed)  # noqa: E731
-    if file_task and touched("tasks") and not touched("task"):
+    given = lambda name: [k for k, _ in parsed if k == name or k.startswith(name + ".")]  # noqa: E731
+    if file_task and given("tasks") and not given("task"):
         del data["task"]
         return
+    if file_mixture and given("task"):
+        key, value = next((k, v) for k, v in parsed if k == "task" or k.startswith("task."))
+        field_ = key.partition(".")[2] or "kind"
+        raise UserError(f"config: the override {key}={value} sets task: (one task), but {path} trains a mixture of tasks "
+                        f"(tasks:); change one of the mixture's tasks instead (tasks.0.{field_}=...), or add tasks=[] "
+                        "to train the one task")
+    if given("task") and given("tasks"):
+        raise UserError(f"config: the overrides set both task: (one task, {given('task')[0]}) and tasks: (a mixture, "
+                        f"{given('tasks')[0]}); keep one of them")
     raise UserError(f"config: {path} gives both task: (one task) and tasks: (a mixture); keep one of them")
 
 

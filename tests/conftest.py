@@ -11,6 +11,17 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Local copies of the benchmark data sets, laid out as MARFT_DATA_DIR wants them (docs/guides/offline-data.md),
+# for the tests that read them (the data_dir fixture): MARFT_TEST_DATA_DIR, else a MARFT_DATA_DIR set when the
+# tests start, else ../shared/data beside the checkout where it exists (this project's own machines). MARFT_DATA_DIR
+# itself is cleared, so that the other tests see the Hub (or its absence) as a user without copies does.
+_DATA_GIVEN = os.environ.pop("MARFT_DATA_DIR", "")
+_SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+if not os.environ.get("MARFT_TEST_DATA_DIR") and (_DATA_GIVEN or _SHARED_DATA.is_dir()):
+    os.environ["MARFT_TEST_DATA_DIR"] = _DATA_GIVEN or str(_SHARED_DATA)
+
+from marft.models import build_tiny_model  # noqa: E402,F401 - model.name: tiny's model (test_vllm.py imports it from here)
+
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` are skipped, with the reason, where no CUDA GPU is available."""
@@ -21,44 +32,17 @@ def pytest_collection_modifyitems(config, items):
         if "gpu" in item.keywords:
             item.add_marker(skip)
 
-CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 
-CORPUS = [
-    "You are the planner of a team that solves problems together.",
-    "Calculate 12 + 7. Give the final answer in \\boxed{}. The answer is 19.",
-    "Messages from your teammates: first add the numbers, then check the result.",
-    "0 1 2 3 4 5 6 7 8 9 + - * / = ( ) planner solver verifier reflector step by step",
-]
-
-
-def build_tiny_model(folder: Path, seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:
-    """Write a tiny Llama-architecture chat model (random weights) and its tokenizer to ``folder``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    bpe.train_from_iterator(CORPUS * 4, trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|endoftext|>", eos_token="<|im_end|>",
-                                  pad_token="<|pad|>", unk_token="<|endoftext|>")
-    tok.chat_template = CHATML
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=2048, initializer_range=0.2, bos_token_id=tok.bos_token_id,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
-    model = LlamaForCausalLM(cfg)
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+@pytest.fixture
+def data_dir(monkeypatch) -> Path:
+    """MARFT_DATA_DIR set to the local copies of the benchmark data sets (GSM8K, MATH, MATH-500,
+    MBPP); the test is skipped, with the reason, where there are none."""
+    folder = os.environ.get("MARFT_TEST_DATA_DIR", "")
+    if not folder or not Path(folder).is_dir():
+        pytest.skip("no local copies of the benchmark data sets: set MARFT_TEST_DATA_DIR (or MARFT_DATA_DIR) to a folder "
+                    "laid out as docs/guides/offline-data.md says (gsm8k/train.json, math/test500.jsonl, mbpp/mbpp.jsonl, ...)")
+    monkeypatch.setenv("MARFT_DATA_DIR", folder)
+    return Path(folder)
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,6 @@
 environment's team and multi-turn behaviour, and the canonical solutions of MBPP and HumanEval."""
 import json
 import os
-from pathlib import Path
 
 import pytest
 
@@ -11,7 +10,7 @@ from marft.evaluation import pass_at_k
 from marft.errors import UserError
 from marft.sandbox import Limits, Sandbox
 
-MBPP = Path(__file__).resolve().parents[2] / "shared" / "data" / "mbpp" / "mbpp.jsonl"
+MBPP = "hf:google-research-datasets/mbpp:full"  # read from MARFT_DATA_DIR's copy (the data_dir fixture)
 SB = Sandbox(Limits(wall_s=10, cpu_s=10), workers=2)
 ADD = CodeProblem("t1", "Write add(a, b).", ["assert add(1, 2) == 3", "assert add(-1, 1) == 0",
                                              "assert add(2, 2) == 4"], "add")
@@ -187,9 +186,8 @@ def _canonical_pass_rate(problems) -> tuple[float, list]:
     return 1 - len(failing) / len(problems), failing
 
 
-@pytest.mark.skipif(not MBPP.exists(), reason=f"{MBPP} is absent (benchmark data from ../shared/data, beside the checkout; see its README.md)")
-def test_mbpp_canonical_solutions_pass_and_wrong_ones_fail():
-    problems = list(load_mbpp(str(MBPP)).values())
+def test_mbpp_canonical_solutions_pass_and_wrong_ones_fail(data_dir):
+    problems = list(load_mbpp(MBPP).values())
     rate, failing = _canonical_pass_rate(problems)
     assert sorted(failing) == [341, 596, 642], failing  # 971/974: the three with order- or size-dependent asserts
     wrong = run_tests(SB, [("def f(*a, **k):\n    return None\n" + f"{p.entry} = f", p) for p in problems[:40]])

@@ -13,7 +13,6 @@ from marft.envs import DATASET_KEYS, KINDS, make_env_factory
 from marft.envs.dataset import DatasetEnv, load_reward
 from marft.errors import UserError
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 REWARDS = '''
 SEEN = []
@@ -341,7 +340,7 @@ def test_errors(tmp_path, data_file, rewards):
          r"has no split 'validation' \(its splits: train\); set task.test_split"),
         (dict(dataset="openai/gsm8k", dataset_config="main", reward=r),  # conftest sets HF_HUB_OFFLINE=1
          r"data set 'openai/gsm8k' is not in the local Hugging Face datasets cache and HF_HUB_OFFLINE is set; "
-         r"use a local file or folder instead"),
+         r"set MARFT_DATA_DIR to a folder of local copies, or use a local file or folder instead"),
     ]
     for kw, message in cases:
         with pytest.raises(UserError, match=message) as e:
@@ -381,7 +380,8 @@ def test_hub_without_network_fails_at_once(monkeypatch, rewards, data_file):
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
     start = time.perf_counter()
     with pytest.raises(UserError, match=r"data set 'openai/gsm8k' is a Hub id, but the Hub \(http://127.0.0.1:9\) "
-                                        r"cannot be reached .*task.dataset=path/to/train.jsonl"):
+                                        r"cannot be reached \(.*\); set MARFT_DATA_DIR to a folder of local copies, or use a "
+                                        r"local file or folder instead: task.dataset=path/to/train.jsonl"):
         factory(dataset="openai/gsm8k", dataset_config="main", reward=f"{rewards}:exact")
     assert time.perf_counter() - start < 10
 
@@ -406,12 +406,13 @@ def test_config_keys_and_validation(data_file, rewards):
     assert (cfg.task.kind, cfg.task.dataset, cfg.task.dataset_config) == ("dataset", "openai/gsm8k", "main")
 
 
-@pytest.mark.skipif(not (DATA / "gsm8k" / "train.json").is_file(), reason=f"{DATA / 'gsm8k' / 'train.json'} is absent (benchmark data from ../shared/data, beside the checkout)")
-def test_local_gsm8k_folder_with_the_shipped_reward():
+def test_local_gsm8k_folder_with_the_shipped_reward(data_dir, monkeypatch):
+    """The config's comment: a folder of one's own (here GSM8K's local copy) with its columns named."""
     from marft.api import env_factory
     from marft.team import build_team
 
-    cfg = load_config("configs/dataset_gsm8k.yaml", [f"task.dataset={DATA / 'gsm8k'}", "task.prompt_column=problem",
+    monkeypatch.delenv("MARFT_DATA_DIR")  # the folder itself, not the override
+    cfg = load_config("configs/dataset_gsm8k.yaml", [f"task.dataset={data_dir / 'gsm8k'}", "task.prompt_column=problem",
                                                      "task.answer_column=final_answer"])
     env = env_factory(cfg, build_team(cfg.team))()
     assert (env.num_problems("train"), env.num_problems("test")) == (7473, 1319)
@@ -461,8 +462,9 @@ def row_folder(tmp_path, monkeypatch):
     (["task.dataset=data/qa.jsonl", "task.reward=my_reward.py:score", "task.test_split=validation"],
      "data set 'data/qa.jsonl' has no split 'validation' (its splits: train); set task.test_split to one of them"),
     (["task.dataset=openai/gsm8k", "task.dataset_config=main", "task.reward=marft.envs.rewards:gsm8k"],  # HF_HUB_OFFLINE=1
-     "data set 'openai/gsm8k' is not in the local Hugging Face datasets cache and HF_HUB_OFFLINE is set; use a local "
-     "file or folder instead: task.dataset=path/to/train.jsonl (.jsonl, .json, .csv, .parquet)"),
+     "data set 'openai/gsm8k' is not in the local Hugging Face datasets cache and HF_HUB_OFFLINE is set; set MARFT_DATA_DIR "
+     "to a folder of local copies, or use a local file or folder instead: task.dataset=path/to/train.jsonl (.jsonl, .json, "
+     ".csv, .parquet)"),
     (["task.dataset=data/qa.jsonl", "task.reward=my_reward.py"], "config: task.kind is dataset: set task.reward to "
      "module:function or path/to/file.py:function, called as reward(reply, record) -> float"),
     (["task.dataset=data/qa.jsonl", "task.reward=my_rewards.py:score"],

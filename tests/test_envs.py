@@ -5,7 +5,6 @@ import json
 import math
 import random
 from functools import partial
-from pathlib import Path
 
 import pytest
 
@@ -15,7 +14,6 @@ from marft.envs.gym import ReasoningGymEnv, extract_answer
 from marft.envs.math import MathEnv, grade_math
 from marft.errors import UserError
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 # --- math grading ---------------------------------------------------------------------------------
@@ -188,8 +186,8 @@ def test_math_env_bad_files(tmp_path):
     with pytest.raises(UserError, match="noanswer.json: record 1 has no 'final_answer' or 'answer' field"):
         load(no_answer)
     no_problem = tmp_path / "noproblem.jsonl"
-    no_problem.write_text('{"question": "a", "answer": "1"}\n')
-    with pytest.raises(UserError, match="noproblem.jsonl: line 1 has no 'problem'"):
+    no_problem.write_text('{"text": "a", "answer": "1"}\n')  # ('question' is GSM8K's on the Hub: it would do)
+    with pytest.raises(UserError, match=r"noproblem.jsonl: line 1 has no 'problem' or 'question' field \(a non-empty string\)"):
         load(no_problem)
     not_list = tmp_path / "dict.json"
     not_list.write_text('{"problem": "a", "answer": "1"}')
@@ -206,10 +204,8 @@ def test_math_env_rereads_a_changed_file(tmp_path):
     assert env.num_problems("train") == 3
 
 
-@pytest.mark.skipif(not (DATA / "gsm8k" / "test.json").exists(),
-                    reason=f"{DATA / 'gsm8k' / 'test.json'} is absent (benchmark data from ../shared/data, beside the checkout)")
-def test_gsm8k_gold_answers_grade_correct():
-    env = MathEnv(agents=["s"], answering=["s"], horizon=1, test_path=str(DATA / "gsm8k" / "test.json"))
+def test_gsm8k_gold_answers_grade_correct(data_dir):  # GSM8K's local copy (MARFT_DATA_DIR; skipped without one)
+    env = MathEnv(agents=["s"], answering=["s"], horizon=1, test_path="hf:openai/gsm8k:main:test")
     assert env.num_problems("test") == 1319
     for i in range(20):
         env.reset(options={"split": "test", "index": i})

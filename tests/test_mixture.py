@@ -348,6 +348,22 @@ def test_a_file_with_both_task_and_tasks_is_refused(tmp_path):
         load_config(f)
 
 
+def test_a_task_override_beside_a_files_mixture_blames_the_override(tmp_path):
+    f = tmp_path / "mix.yaml"
+    f.write_text("tasks: [{kind: coop, name: sum}, {kind: reasoning_gym}]\n")
+    with pytest.raises(UserError) as e:
+        load_config(f, ["task.kind=coop"])
+    assert str(e.value) == (f"config: the override task.kind=coop sets task: (one task), but {f} trains a mixture of "
+                            "tasks (tasks:); change one of the mixture's tasks instead (tasks.0.kind=...), or add "
+                            "tasks=[] to train the one task")
+    assert "gives both" not in str(e.value)
+    cfg = load_config(f, ["task.kind=coop", "task.name=sum", "tasks=[]"])  # the way out it names
+    assert not cfg.tasks and (cfg.task.kind, cfg.task.name) == ("coop", "sum")
+    assert load_config(f, ["tasks.0.name=lookup"]).tasks[0].name == "lookup"
+    with pytest.raises(UserError, match=r"the overrides set both task: \(one task, task.kind\) and tasks: \(a mixture, tasks\)"):
+        load_config(None, ["task.kind=coop", "tasks=[{kind: coop, name: sum}, {kind: reasoning_gym}]"])
+
+
 def test_each_task_of_a_mixture_is_evaluated_as_it_would_be_alone(envs_path, base, tmp_path):
     """The same weights, the same problems and sampling seed: a task's result inside the mixture's
     evaluation is its result evaluated alone (episodes, replies, accuracy)."""

@@ -161,6 +161,24 @@ def test_report_command_writes_markdown_json_and_plots(sweep_dir, capsys):
     assert "![curves_all.png](curves_all.png)" in md
 
 
+def test_a_mixtures_per_task_curves_are_labelled_as_tasks_not_agents(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    from marft.report import RunInfo, _series, plot_curves
+    assert _series("tasks/arith/reward", "reward") == "task: arith"
+    assert _series("tasks/gsm8k/test/accuracy", "accuracy") == "task: gsm8k/test"
+    assert _series("planner/approx_kl", "approx_kl") == "agent: planner"
+    assert _series("value_loss/planner", "value_loss") == "agent: planner"
+    assert _series("reward", "reward") == ""
+    metrics = [{"iteration": i, "reward": 0.5, "accuracy": 0.5, "tasks/arith/reward": 0.4, "tasks/sum/reward": 0.6,
+                "tasks/arith/accuracy": 0.4, "tasks/arith/episodes": 3, "planner/approx_kl": 0.01} for i in (1, 2)]
+    legends = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: legends.extend(
+        t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()))
+    plot_curves([RunInfo(tmp_path, {"algorithm": "marft"}, "0", "complete", metrics=metrics)], tmp_path)
+    assert legends == ["marft", "task: arith", "task: sum", "agent: planner"], legends
+
+
 def test_runs_outside_a_sweep_are_labelled_from_their_config(tmp_path):
     make_run(tmp_path / "a", 0, final=[1, 1, 0, 0], untrained=[0, 0, 0, 0])
     make_run(tmp_path / "b", 1, final=[1, 0, 0, 0], untrained=[0, 0, 0, 0])

@@ -68,7 +68,7 @@ def test_agents_are_models_and_calls_are_recorded_as_the_engine_replies(server, 
 
 def test_concurrent_requests_are_generated_as_one_batch_per_agent(team_parts):
     team, models, engine = team_parts
-    with serve_team(models, team, engine, SAMPLING, ready=lambda n: n == 4) as server:
+    with serve_team(models, team, engine, SAMPLING, ready=lambda waiting: sum(waiting.values()) == 4) as server:
         def ask(i):
             c = openai.OpenAI(base_url=server.base_url(f"e{i}"), api_key=server.api_key)
             c.chat.completions.create(model="solver" if i % 2 else "planner", messages=chat(f"Calculate {i} + 1."))
@@ -310,12 +310,14 @@ def test_urls_bracket_an_ipv6_host():
     assert origin(SimpleNamespace(host="127.0.0.1", port=8000)) == "http://127.0.0.1:8000"
 
 
-def test_a_runs_rollouts_sample_at_the_runs_temperature_whatever_a_request_asks(capsys):
+def test_a_runs_rollouts_sample_at_the_runs_temperature_whatever_a_request_asks(capsys, monkeypatch):
     # in a workflow's rollouts (fixed_sampling) the learner assumes the run's temperature: a request's
     # temperature and top_p are ignored there, with a warning; marft serve honours them
     from types import SimpleNamespace
 
+    import marft.generation
     from marft.serve import TeamServer
+    monkeypatch.setattr(marft.generation, "_WARNED", set())  # the warning is once per process
     stub = lambda fixed: SimpleNamespace(team={"solver": SimpleNamespace(max_new_tokens=0)},  # noqa: E731
                                          sampling=Sampling(1.0, 1.0, 0, 16), fixed_sampling=fixed)
     body = {"temperature": 0.2, "top_p": 0.5, "max_tokens": 4}
@@ -324,6 +326,32 @@ def test_a_runs_rollouts_sample_at_the_runs_temperature_whatever_a_request_asks(
     run = TeamServer._sampling(stub(True), "solver", body)
     assert (run.temperature, run.top_p, run.max_new_tokens) == (1.0, 1.0, 4)
     assert "the workflow asks for temperature=0.2" in capsys.readouterr().err
+
+
+def test_the_sampling_warning_is_said_once_per_run_not_once_per_rollout_or_setting(capsys, monkeypatch):
+    # every rollout of a workflow run has its own server, training and evaluation sample at their own
+    # temperatures, and a request may ask for temperature and top_p: still one warning (issue 41: 4 in 2 iterations)
+    from types import SimpleNamespace
+
+    import marft.generation
+    from marft.serve import TeamServer
+    monkeypatch.setattr(marft.generation, "_WARNED", set())
+    for run_temperature in (0.7, 0.6, 0.7, 0.6):  # rollout, evaluation, rollout, evaluation
+        stub = SimpleNamespace(team={"solver": SimpleNamespace(max_new_tokens=0)},
+                               sampling=Sampling(run_temperature, 1.0, 0, 16), fixed_sampling=True)
+        for body in ({"temperature": 0.2, "top_p": 0.5}, {"temperature": 0.9}):
+            assert TeamServer._sampling(stub, "solver", body).temperature == run_temperature
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1 and "the workflow asks for temperature=0.2" in err and "Said once per run" in err
+
+
+def test_a_wrong_key_is_told_where_the_key_is(server):
+    status, body = _post(server, {"model": "solver", "messages": chat("x")}, key="sk-wrong")
+    message = body["error"]["message"]
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    # marft train prints no key (each rollout's endpoint has its own): the message says where one is
+    assert "marft serve prints its key when it starts (MARFT_API_KEY sets it)" in message
+    assert "which only the workflow's client holds" in message and "client.api_key, client.base_url" in message
 
 
 # ---------------------------------------------------------------- tool calling (marft/tool_calls.py)
@@ -572,7 +600,7 @@ def test_messages_the_chat_template_rejects_fail_alone_not_their_batch(team_part
     tok.chat_template = RAISING_TEMPLATE
     got = {}
     try:
-        with serve_team(models, team, engine, SAMPLING, ready=lambda n: n == 2) as server:
+        with serve_team(models, team, engine, SAMPLING, ready=lambda waiting: sum(waiting.values()) == 2) as server:
             def ask(episode, text):
                 got[episode] = _post(server, {"model": "solver", "messages": chat(text)},
                                      path=f"/episodes/{episode}/v1/chat/completions")

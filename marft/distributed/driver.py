@@ -95,8 +95,10 @@ class DistributedTrainer(Trainer):
             if c.address == "local":
                 ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
                          logging_level="ERROR", configure_logging=True)
-            else:
-                ray.init(address=c.address, log_to_driver=False, logging_level="ERROR")
+            else:  # the workers read the local data copies the driver reads (the same folder on every node)
+                data = {k: os.environ[k] for k in ("MARFT_DATA_DIR",) if os.environ.get(k)}
+                ray.init(address=c.address, log_to_driver=False, logging_level="ERROR",
+                         **({"runtime_env": {"env_vars": data}} if data else {}))
         except ConnectionError as e:
             raise UserError(f"cannot reach the Ray cluster at cluster.address={c.address} ({e}); start it "
                             "(ray start --head) or use cluster.address=local") from None

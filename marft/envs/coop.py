@@ -19,8 +19,12 @@ left in play without the others' parts: that is each agent alone.
   ``1 / (max_value - min_value + 1)``; the holders never see which word is asked.
 
 Speaking agents are told exactly what to say (``Reply with one sentence: "I hold 3 shells."``):
-the 135M model that marft embeds does not discover on its own that it should state its number
-(``../shared/COOP.md``); the foothold is the prompt, not a tiny problem space.
+the 135M model that marft embeds does not discover on its own that it should state its number. In a
+probe before this module (a duo adding two one-digit numbers, the main job's settings, 30
+iterations), a speaker only asked to tell its number rarely stated it, and held-out accuracy stayed
+at chance (6.2% untrained, 7.0% after training); with the sentence prescribed (numbers 0-4) it rose
+from 9.4% to 96.1%, while the trained solver alone stayed at chance (20.3%). The foothold is the
+prompt, not a tiny problem space.
 
 Splits are disjoint by vocabulary: the held-out problems use item words (sum) or code words (lookup)
 that no training problem uses (the last ``test_share`` of each list), so no held-out text was ever

@@ -9,6 +9,9 @@ The data set is read with the Hugging Face ``datasets`` library from
 - a Hub id such as ``openai/gsm8k`` with its config (``task.dataset_config: main``), loaded with
   ``datasets.load_dataset(id, config)``. This needs the network or the local ``datasets`` cache:
   without network it fails at once, in one line (with ``HF_HUB_OFFLINE=1`` it uses the cache only).
+  With ``MARFT_DATA_DIR`` set, the data sets that :mod:`marft.envs.sources` knows local copies of
+  (``openai/gsm8k``, ``HuggingFaceH4/MATH-500``, ...) are read from that folder instead, with the
+  Hub's columns (``question`` and ``answer`` for GSM8K), and never from the Hub.
 
 Splits: ``task.train_split`` / ``task.test_split`` (default ``train`` / ``test``) name the splits
 the team trains and is evaluated on; ``datasets``' slice syntax works too (``train[:90%]``,
@@ -111,15 +114,23 @@ def _offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-def _check_hub_reachable(repo_id: str) -> None:
+def _hint(repo_id: str) -> str:
+    """How to do without the Hub: the local copies' folder where marft knows one, or a local file."""
+    from marft.envs.sources import DATA_DIR_ENV, LOCAL_COPIES
+
+    return (f"set {DATA_DIR_ENV} to a folder of local copies, or {LOCAL_HINT}" if repo_id in LOCAL_COPIES else LOCAL_HINT)
+
+
+def _check_hub_reachable(repo_id: str, hint: str = "") -> None:
     """Fail at once when the Hub cannot be reached (``datasets`` would retry for about 25 s, printing
-    a line per retry); offline mode is left to ``datasets``, which then reads its cache."""
+    a line per retry); offline mode is left to ``datasets``, which then reads its cache. ``hint``
+    says how to do without the Hub (default: the dataset task's ``task.dataset=path``)."""
     from marft.models import hub_unreachable
 
     endpoint, why = hub_unreachable()
     if why:
         raise UserError(f"data set {repo_id!r} is a Hub id, but the Hub ({endpoint}) cannot be reached "
-                        f"({why}); {LOCAL_HINT}, or set HF_HUB_OFFLINE=1 to use the "
+                        f"({why}); {hint or _hint(repo_id)}, or set HF_HUB_OFFLINE=1 to use the "
                         "local Hugging Face datasets cache")
 
 
@@ -156,14 +167,15 @@ def _source(spec: str) -> tuple[str, str, tuple]:
     return "hub", spec, (spec,)
 
 
-def _load(kind: str, where: str, config: str, split: str | None):
-    """``datasets.load_dataset`` for one source: a DatasetDict (``split`` None) or one Dataset."""
+def _load(kind: str, where: str, config: str, split: str | None, hint: str = ""):
+    """``datasets.load_dataset`` for one source: a DatasetDict (``split`` None) or one Dataset.
+    ``hint`` says how to do without the Hub, in messages (default: ``task.dataset=path``)."""
     try:
         import datasets  # noqa: F401
     except ImportError as e:
         raise UserError(f"task.kind dataset needs the datasets library, which is not installed: pip install 'datasets>=3' ({e})") from None
     if kind == "hub" and not _offline():
-        _check_hub_reachable(where)
+        _check_hub_reachable(where, hint)
     with _quiet_datasets() as ds:
         try:
             if kind == "file":
@@ -176,10 +188,10 @@ def _load(kind: str, where: str, config: str, split: str | None):
             err = _root(e)
             if kind == "hub" and isinstance(err, ConnectionError) and _offline():
                 raise UserError(f"data set {where!r} is not in the local Hugging Face datasets cache and HF_HUB_OFFLINE "
-                                f"is set; {LOCAL_HINT}") from None
+                                f"is set; {hint or _hint(where)}") from None
             if split is not None and "Unknown split" in str(err):
-                raise UserError(f"data set {where!r} has no split {split!r} ({' '.join(str(err).split())}); "
-                                "set task.train_split / task.test_split to its splits") from None
+                fix = "name one of them in the hf: reference" if hint else "set task.train_split / task.test_split to its splits"
+                raise UserError(f"data set {where!r} has no split {split!r} ({' '.join(str(err).split())}); {fix}") from None
             what = f"data set {where!r}" + (f" (config {config!r})" if kind == "hub" and config else "")
             fix = "; fix the file" if kind == "file" else "; fix the files" if kind == "folder" else ""
             raise UserError(f"cannot load {what}: {_one_line(err)}{fix}") from None
@@ -210,14 +222,19 @@ def load_splits(dataset: str, dataset_config: str = "", train_split: str = "trai
         raise UserError("task.kind dataset needs task.dataset: a Hub id (openai/gsm8k) or a .jsonl, .json, .csv or .parquet file or folder")
     if not prompt_column:
         raise UserError("task.prompt_column is empty; name the column that holds the prompt (default: question)")
+    from marft.envs.sources import local_dataset, local_stamp
+
     kind, where, stamp = _source(dataset)
+    if kind == "hub":
+        stamp = (*stamp, local_stamp(where, dataset_config))  # MARFT_DATA_DIR's copy, if it is read
     key = (stamp, dataset_config if kind == "hub" else "", train_split, test_split, prompt_column, answer_column)
     with _LOCK:
         if key in _DATA:
             return _DATA[key]
-    splits = _load(kind, where, dataset_config, None)
+    local = local_dataset(where, dataset_config, [train_split, test_split]) if kind == "hub" else None
+    splits = local if local is not None else _load(kind, where, dataset_config, None)
     names = list(splits)
-    held_out = test_split == "test" and "test" not in splits and names == [train_split]
+    held_out = local is None and test_split == "test" and "test" not in splits and names == [train_split]
     if held_out:
         full = splits[train_split]
         _check_columns(dataset, f"{train_split} split", full, prompt_column, answer_column)  # record numbers of the file
