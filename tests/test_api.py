@@ -1,4 +1,4 @@
-"""The Python API (marft/api.py): the README's example runs, the API and the command line give the
+"""The Python API (marft/api.py): the Python API guide's example runs, the API and the command line give the
 same run, configs from every kind of source agree, callbacks and stop/resume, and the trained team
 loaded for inference replies as the team did in its evaluation."""
 import json
@@ -38,18 +38,17 @@ def weights(run: Path) -> dict:
     return {a: load_file(latest_checkpoint(run) / "adapters" / a / "adapter_model.safetensors") for a in ("planner", "solver")}
 
 
-def test_readme_python_example_runs(vowel, tmp_path, monkeypatch, capsys):
-    """The first ```python block of the README's "From Python" section, as written, with the tiny
-    model and task put in under it (load_config applies them after the example's own settings)."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## From Python"):]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+def test_the_python_api_guides_example_runs(vowel, tmp_path, monkeypatch, capsys):
+    """The first ```python block of the Python API guide (docs/guides/python-api.md), as written, with
+    the tiny model and task put in under it (load_config applies them after the example's own settings)."""
+    text = (ROOT / "docs" / "guides" / "python-api.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
     real = marft.load_config
     tiny = [*vowel, f"output_dir={tmp_path / 'from_python'}"]
     monkeypatch.setattr(marft, "load_config", lambda *a, **kw: real(real(*a, **kw), tiny))
     monkeypatch.chdir(ROOT)
     scope: dict = {}
-    exec(compile(code, "README.md", "exec"), scope)
+    exec(compile(code, "docs/guides/python-api.md", "exec"), scope)
     out = capsys.readouterr().out
     result, team, alone = scope["result"], scope["team"], scope["alone"]
     assert result.run_dir == tmp_path / "from_python" and result.final is not None
