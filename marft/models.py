@@ -25,6 +25,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -156,8 +157,14 @@ def tiny_model(cache_dir: str = "") -> Path:
     except OSError as e:
         raise UserError(f"cannot build the tiny model in {target.parent} ({e.strerror or e}); set model.cache_dir "
                         "or MARFT_CACHE to a folder this user can write") from None
+    return _fill_then_rename(tmp, target, build_tiny_model)
+
+
+def _fill_then_rename(tmp: Path, target: Path, fill: Callable[[Path], object]) -> Path:
+    """``fill(tmp)``, then ``tmp`` renamed to ``target`` (atomic: a reader sees no half-written folder;
+    when another process finished first, its folder stays); ``tmp`` removed on any failure."""
     try:
-        build_tiny_model(tmp)
+        fill(tmp)
         try:
             os.rename(tmp, target)
         except OSError:  # another process finished first
@@ -209,22 +216,17 @@ def _convert_gguf(gguf: Path, target: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     print(f"marft: converting {gguf.name} once to {target} (about 20 s; later loads take seconds)", file=sys.stderr)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-    try:
+
+    def convert(folder: Path) -> None:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16,
             quantization_config=GgufConfig(dequantize=True),
         )
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process finished first
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+        model.save_pretrained(folder)
+        tok.save_pretrained(folder)
+
+    return _fill_then_rename(tmp, target, convert)
 
 
 def load_base(name: str, dtype: str = "auto", device: str = "auto", cache_dir: str = ""):

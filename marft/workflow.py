@@ -244,9 +244,25 @@ def _http():
     return importlib.import_module(openai.DefaultHttpxClient.__bases__[0].__module__.split(".")[0])
 
 
-def _transports(episode: _Episode, inner):
-    """Transports (of :func:`_http`'s library) that tell ``episode`` of every call and reply, around ``inner``."""
+def _transport(episode: _Episode, inner):
+    """A transport (of :func:`_http`'s library, sync or async as ``inner``) that tells ``episode`` of
+    every call and reply, around ``inner``."""
     httpx = _http()
+    if isinstance(inner, httpx.AsyncBaseTransport):
+        class CountedAsync(httpx.AsyncBaseTransport):
+            async def handle_async_request(self, request):
+                episode.made_call(request)
+                response = None
+                try:
+                    response = await inner.handle_async_request(request)
+                finally:
+                    episode.got_reply(response)
+                return response
+
+            async def aclose(self):
+                await inner.aclose()
+
+        return CountedAsync()
 
     class Counted(httpx.BaseTransport):
         def handle_request(self, request):
@@ -258,20 +274,7 @@ def _transports(episode: _Episode, inner):
                 episode.got_reply(response)
             return response
 
-    class CountedAsync(httpx.AsyncBaseTransport):
-        async def handle_async_request(self, request):
-            episode.made_call(request)
-            response = None
-            try:
-                response = await inner.handle_async_request(request)
-            finally:
-                episode.got_reply(response)
-            return response
-
-        async def aclose(self):
-            await inner.aclose()
-
-    return Counted, CountedAsync
+    return Counted()
 
 
 class _Watched(selectors.DefaultSelector):
@@ -309,11 +312,10 @@ def play_workflows(team, server, workflow: Callable, problems: list[dict], rewar
     answers: list = [None] * E
     errors: list[str | None] = [None] * E
     episodes = [_Episode(server.poke) for _ in range(E)]
-    index = {i: e for e, i in enumerate(ids)}
 
     def ready(waiting: dict[str, int]) -> bool:
         now = time.monotonic()
-        if any(i not in index for i in waiting):  # a call outside the episodes: as soon as all wait
+        if not waiting.keys() <= set(ids):  # a call outside the episodes: as soon as all wait
             return all(ep.done or waiting.get(i, 0) > 0 for i, ep in zip(ids, episodes))
         return all(ep.settled(waiting.get(i, 0), now) for i, ep in zip(ids, episodes))
 
@@ -331,8 +333,8 @@ def play_workflows(team, server, workflow: Callable, problems: list[dict], rewar
         try:
             if is_async:
                 async def go():
-                    _, counted = _transports(ep, httpx.AsyncHTTPTransport())
-                    http = openai.DefaultAsyncHttpxClient(transport=counted(), trust_env=False)
+                    http = openai.DefaultAsyncHttpxClient(transport=_transport(ep, httpx.AsyncHTTPTransport()),
+                                                          trust_env=False)
                     async with openai.AsyncOpenAI(base_url=server.base_url(ids[e]), api_key=server.api_key,
                                                   max_retries=0, timeout=None, http_client=http) as client:
                         return await workflow(problems[e], client)
@@ -343,8 +345,7 @@ def play_workflows(team, server, workflow: Callable, problems: list[dict], rewar
                         answers[e] = run.run(go())
             else:  # one connection pool for every episode (building one takes about 20 ms of CPU)
                 ep.thread = threading.get_ident()
-                counted, _ = _transports(ep, shared)
-                http = openai.DefaultHttpxClient(transport=counted(), trust_env=False)
+                http = openai.DefaultHttpxClient(transport=_transport(ep, shared), trust_env=False)
                 client = openai.OpenAI(base_url=server.base_url(ids[e]), api_key=server.api_key, max_retries=0,
                                        timeout=timeout_s, http_client=http)
                 answers[e] = workflow(problems[e], client)

@@ -78,15 +78,10 @@ def load_mbpp(path: str, key: str = "") -> dict[int, CodeProblem]:
         raise UserError("the mbpp task needs its data file: set task.test_path (and train_path) to mbpp.jsonl")
     ref = sources.parse_hub(path)
     if ref is not None:
-        files = sources.local_files(ref, key)  # MARFT_DATA_DIR's copy, if it has one
-        cache = (str(ref), sources.stamp(files)) if files is not None else (str(ref),)
-        if cache not in _FILES:
-            if files is None:
-                records = sources.hub_records(ref, key)
-                _FILES[cache] = _problems(str(ref), [(f"record {i}", r) for i, r in enumerate(records)])
-            else:
-                _FILES[cache] = [p for f in files for p in _read_mbpp(f) if sources.in_split(ref, {"task_id": p.task_id})]
-        return {p.task_id: p for p in _FILES[cache]}
+        problems = sources.cached(ref, key, _FILES, lambda raw: _problems(str(ref), raw),
+                                  lambda files: [p for f in files for p in _read_mbpp(f)
+                                                 if sources.in_split(ref, {"task_id": p.task_id})])
+        return {p.task_id: p for p in problems}
     if not os.path.isfile(path):
         raise UserError(f"MBPP file {path!r} does not exist; set task.test_path to mbpp.jsonl "
                         "(https://github.com/google-research/google-research/tree/master/mbpp)")

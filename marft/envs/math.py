@@ -114,16 +114,10 @@ def load_records(path: str, key: str = "") -> list[dict]:
     """
     ref = sources.parse_hub(path)
     if ref is not None:
-        files = sources.local_files(ref, key)  # MARFT_DATA_DIR's copy, if it has one
-        cache = (str(ref), sources.stamp(files)) if files is not None else (str(ref),)
-        if cache not in _FILES:
-            if files is None:
-                raw = [(f"record {i}", r) for i, r in enumerate(sources.hub_records(ref, key))]
-            else:
-                raw = [(f"{os.path.basename(f)} {where}", r) for f in files
-                       for where, r in sources.read_json_records(f, "math data file")]
-            _FILES[cache] = _check(str(ref), raw, published=True)
-        return _FILES[cache]
+        return sources.cached(ref, key, _FILES, lambda raw: _check(str(ref), raw, published=True),
+                              lambda files: _check(str(ref), [(f"{os.path.basename(f)} {where}", r) for f in files
+                                                              for where, r in sources.read_json_records(f, "math data file")],
+                                                   published=True))
     if not os.path.isfile(path):
         raise UserError(f"math data file {path!r} does not exist; set train_path/test_path to a .json or .jsonl file")
     stat = os.stat(path)

@@ -226,6 +226,18 @@ def hub_records(ref: HubRef, key: str = "") -> list[dict]:
     return [dict(r) for part in parts for r in part]
 
 
+def cached(ref: HubRef, key: str, cache: dict, from_hub: Callable, from_files: Callable) -> list:
+    """What ``ref`` holds, read once per source into ``cache``: ``from_files(paths)`` of
+    MARFT_DATA_DIR's copy where it has one (keyed by the files' :func:`stamp`), else ``from_hub(raw)``
+    of the Hub's records as ``(where, record)`` pairs."""
+    files = local_files(ref, key)  # MARFT_DATA_DIR's copy, if it has one
+    k = (str(ref), stamp(files)) if files is not None else (str(ref),)
+    if k not in cache:
+        cache[k] = (from_hub([(f"record {i}", r) for i, r in enumerate(hub_records(ref, key))]) if files is None
+                    else from_files(files))
+    return cache[k]
+
+
 def local_dataset(repo: str, config: str, splits: list[str], key: str = "task.dataset"):
     """The ``dataset`` task's splits of ``repo`` from its local copy, as ``datasets.Dataset`` with
     the Hub's columns, by the names in ``splits`` (slices such as ``train[:90%]`` work); None when
