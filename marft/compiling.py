@@ -47,10 +47,10 @@ def configure() -> None:
 
 def warn_failed(what: str, switch: str, error: BaseException) -> None:
     """One warning per process and ``what``: it could not be compiled and runs as it is."""
-    from .generation import _warn_once
+    from .errors import warn_once
 
     first = str(error).strip().splitlines()[0][:160] if str(error).strip() else ""
-    _warn_once(f"marft: {switch}: {what} could not be compiled ({type(error).__name__}: {first}); it runs without torch.compile")
+    warn_once(f"marft: {switch}: {what} could not be compiled ({type(error).__name__}: {first}); it runs without torch.compile")
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:

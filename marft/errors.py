@@ -1,10 +1,25 @@
-"""User-facing errors: one line that says what is wrong and how to fix it.
+"""User-facing errors and warnings: one line that says what is wrong and how to fix it.
 
 Raise :class:`UserError` for anything the user can fix (a config value, a missing file, a
 malformed record). The command line prints its message on one line and exits with status 2;
 ``--debug`` shows the traceback. Anything else is a bug and keeps its traceback.
 """
+from __future__ import annotations
 
 
 class UserError(Exception):
     """A problem with the user's input, with a message that names the fix."""
+
+
+WARNED: set = set()  # the keys warned about in this process (tests reset it)
+
+
+def warn_once(message: str, key: str | None = None) -> None:
+    """``message`` on stderr the first time ``key`` (the message itself by default) is warned about
+    in this process: one warning per run, not one per rollout, batch or setting."""
+    import sys
+
+    key = message if key is None else key
+    if key not in WARNED:
+        WARNED.add(key)
+        print(message, file=sys.stderr)

@@ -31,6 +31,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from . import attention as grouped_attention
 from . import compiling
+from .errors import warn_once
 from .flops import causal_context
 
 # transformers >= 5.2x names the KV cache `cache`; earlier releases `past_key_values`
@@ -383,7 +384,7 @@ class _StaticDecoder:
             with torch.cuda.graph(graph):
                 self.logits = self._forward()
         except RuntimeError as e:  # a model whose step cannot be captured: run it eagerly
-            _warn_once(f"marft: the decode step could not be captured as a CUDA graph ({str(e).splitlines()[0][:160]}); "
+            warn_once(f"marft: the decode step could not be captured as a CUDA graph ({str(e).splitlines()[0][:160]}); "
                        "it runs without one (slower)")
             self.graphs = False
             self.logits = self._forward()
@@ -412,17 +413,6 @@ def _compiled_step():
         compiling.configure()
         _COMPILED = torch.compile(_step, dynamic=True)
     return _COMPILED
-
-
-_WARNED: set = set()
-
-
-def _warn_once(message: str) -> None:
-    import sys
-
-    if message not in _WARNED:
-        _WARNED.add(message)
-        print(message, file=sys.stderr)
 
 
 def _attention_name(model) -> str:

@@ -392,9 +392,9 @@ class TeamModel:
                     if key not in pristine:
                         pristine[key] = layer.get_base_layer().weight.detach().clone()
         except torch.OutOfMemoryError:
-            from .generation import _warn_once
+            from .errors import warn_once
 
-            _warn_once("marft: rollout.fold_adapters: no memory for a copy of the adapted weights; acting through the adapter layers")
+            warn_once("marft: rollout.fold_adapters: no memory for a copy of the adapted weights; acting through the adapter layers")
             pristine.clear()
             layers = None
         if not layers:

@@ -94,8 +94,8 @@ from typing import Callable
 import torch
 
 from . import tool_calls
-from .errors import UserError
-from .generation import Sampling, _render, _warn_once
+from .errors import UserError, warn_once
+from .generation import Sampling, _render
 
 
 @dataclass
@@ -445,11 +445,11 @@ class TeamServer:
                                param=key)
             if self.fixed_sampling:
                 if float(v) != getattr(s, name):  # once per process: every rollout has its own server
-                    _warn_once_as("fixed_sampling", f"warning: the workflow asks for {key}={v}; a run's episodes sample "
-                                  f"at the run's temperature and top_p (here {s.temperature} and {s.top_p}: "
-                                  "rollout.temperature in training, eval.temperature in evaluations), which training "
-                                  "assumes; a request's temperature and top_p are ignored in a run (marft serve honours "
-                                  "them). Said once per run.")
+                    warn_once(f"warning: the workflow asks for {key}={v}; a run's episodes sample "
+                              f"at the run's temperature and top_p (here {s.temperature} and {s.top_p}: "
+                              "rollout.temperature in training, eval.temperature in evaluations), which training "
+                              "assumes; a request's temperature and top_p are ignored in a run (marft serve honours "
+                              "them). Said once per run.", key="fixed_sampling")
                 continue
             s = replace(s, **{name: float(v)})
         return s
@@ -567,18 +567,6 @@ def _stamp(headers) -> tuple[int, int] | None:
 def messages_key(messages: list[dict]) -> str:
     """Messages as a sort key (requests of one episode, round and agent: by what they ask, not by arrival)."""
     return json.dumps(messages, sort_keys=True, default=str)
-
-
-def _warn_once_as(key: str, message: str) -> None:
-    """``message`` on stderr the first time ``key`` is warned about in this process (whatever the
-    numbers in the message: one warning per run, not one per rollout's server or setting)."""
-    import sys
-
-    from . import generation
-
-    if key not in generation._WARNED:
-        generation._WARNED.add(key)
-        print(message, file=sys.stderr)
 
 
 def _bind(host: str, port: int) -> list[socket.socket]:
@@ -736,7 +724,7 @@ def _response_format(fmt) -> dict | None:
     schema = fmt.get("json_schema") if isinstance(fmt, dict) else None
     if kind == "json_object" or (kind == "json_schema" and isinstance(schema, dict)
                                  and isinstance(schema.get("schema", {}), dict)):
-        _warn_once("warning: a request asks for response_format " + kind + ": marft shows it to the model as an "
+        warn_once("warning: a request asks for response_format " + kind + ": marft shows it to the model as an "
                    "instruction (the schema in the system message) but does not constrain sampling to it")
         return fmt
     raise _Refused(400, "response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": "

@@ -315,9 +315,9 @@ def test_a_runs_rollouts_sample_at_the_runs_temperature_whatever_a_request_asks(
     # temperature and top_p are ignored there, with a warning; marft serve honours them
     from types import SimpleNamespace
 
-    import marft.generation
+    import marft.errors
     from marft.serve import TeamServer
-    monkeypatch.setattr(marft.generation, "_WARNED", set())  # the warning is once per process
+    monkeypatch.setattr(marft.errors, "WARNED", set())  # the warning is once per process
     stub = lambda fixed: SimpleNamespace(team={"solver": SimpleNamespace(max_new_tokens=0)},  # noqa: E731
                                          sampling=Sampling(1.0, 1.0, 0, 16), fixed_sampling=fixed)
     body = {"temperature": 0.2, "top_p": 0.5, "max_tokens": 4}
@@ -333,9 +333,9 @@ def test_the_sampling_warning_is_said_once_per_run_not_once_per_rollout_or_setti
     # temperatures, and a request may ask for temperature and top_p: still one warning (issue 41: 4 in 2 iterations)
     from types import SimpleNamespace
 
-    import marft.generation
+    import marft.errors
     from marft.serve import TeamServer
-    monkeypatch.setattr(marft.generation, "_WARNED", set())
+    monkeypatch.setattr(marft.errors, "WARNED", set())
     for run_temperature in (0.7, 0.6, 0.7, 0.6):  # rollout, evaluation, rollout, evaluation
         stub = SimpleNamespace(team={"solver": SimpleNamespace(max_new_tokens=0)},
                                sampling=Sampling(run_temperature, 1.0, 0, 16), fixed_sampling=True)

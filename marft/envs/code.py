@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 from marft.envs import _code_checker, _code_values, sources
 from marft.envs.base import Grade, Problem, TurnBasedEnv
+from marft.envs.dataset import hub_records
 from marft.errors import UserError
 from marft.sandbox import Limits, Sandbox, missing_protections
 
@@ -78,7 +79,7 @@ def load_mbpp(path: str, key: str = "") -> dict[int, CodeProblem]:
         raise UserError("the mbpp task needs its data file: set task.test_path (and train_path) to mbpp.jsonl")
     ref = sources.parse_hub(path)
     if ref is not None:
-        problems = sources.cached(ref, key, _FILES, lambda raw: _problems(str(ref), raw),
+        problems = sources.cached(ref, key, _FILES, lambda: _problems(str(ref), hub_records(ref, key)),
                                   lambda files: [p for f in files for p in _read_mbpp(f)
                                                  if sources.in_split(ref, {"task_id": p.task_id})])
         return {p.task_id: p for p in problems}

@@ -197,6 +197,16 @@ def _load(kind: str, where: str, config: str, split: str | None, hint: str = "")
             raise UserError(f"cannot load {what}: {_one_line(err)}{fix}") from None
 
 
+def hub_records(ref, key: str = "") -> list[tuple[str, dict]]:
+    """``(where, record)`` of an ``hf:`` reference (:class:`marft.envs.sources.HubRef`), read with
+    ``datasets`` (every split in turn when it names none); ``key`` names the config key in messages."""
+    from marft.envs.sources import hub_hint
+
+    data = _load("hub", ref.repo, ref.config, ref.split or None, hint=hub_hint(ref.repo, key))
+    parts = [data] if ref.split else [data[name] for name in data]
+    return [(f"record {i}", dict(r)) for i, r in enumerate(r for part in parts for r in part)]
+
+
 def _check_columns(spec: str, split: str, data, prompt_column: str, answer_column: str) -> None:
     """``split`` names the split for messages: ``train split``, ``test split 'validation'`` ..."""
     columns = list(data.column_names)

@@ -32,6 +32,7 @@ from math_verify import parse, verify
 
 from marft.envs import sources
 from marft.envs.base import Grade, Problem, TurnBasedEnv
+from marft.envs.dataset import hub_records
 from marft.errors import UserError
 
 TIMEOUT_S = 2  # per parse and per comparison, main thread only (see the module docstring)
@@ -114,7 +115,7 @@ def load_records(path: str, key: str = "") -> list[dict]:
     """
     ref = sources.parse_hub(path)
     if ref is not None:
-        return sources.cached(ref, key, _FILES, lambda raw: _check(str(ref), raw, published=True),
+        return sources.cached(ref, key, _FILES, lambda: _check(str(ref), hub_records(ref, key), published=True),
                               lambda files: _check(str(ref), [(f"{os.path.basename(f)} {where}", r) for f in files
                                                               for where, r in sources.read_json_records(f, "math data file")],
                                                    published=True))

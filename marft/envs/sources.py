@@ -217,24 +217,14 @@ def hub_hint(repo: str, key: str = "") -> str:
     return f"{local}give a file: {key or 'task.train_path'}=path/to/file.jsonl"
 
 
-def hub_records(ref: HubRef, key: str = "") -> list[dict]:
-    """The records of ``ref`` read with ``datasets`` (every split in turn when it names none)."""
-    from marft.envs.dataset import _load
-
-    data = _load("hub", ref.repo, ref.config, ref.split or None, hint=hub_hint(ref.repo, key))
-    parts = [data] if ref.split else [data[name] for name in data]
-    return [dict(r) for part in parts for r in part]
-
-
-def cached(ref: HubRef, key: str, cache: dict, from_hub: Callable, from_files: Callable) -> list:
+def cached(ref: HubRef, key: str, cache: dict, from_hub: Callable[[], list], from_files: Callable[[list[str]], list]) -> list:
     """What ``ref`` holds, read once per source into ``cache``: ``from_files(paths)`` of
-    MARFT_DATA_DIR's copy where it has one (keyed by the files' :func:`stamp`), else ``from_hub(raw)``
-    of the Hub's records as ``(where, record)`` pairs."""
+    MARFT_DATA_DIR's copy where it has one (keyed by the files' :func:`stamp`), else ``from_hub()``
+    (:func:`marft.envs.dataset.hub_records`)."""
     files = local_files(ref, key)  # MARFT_DATA_DIR's copy, if it has one
     k = (str(ref), stamp(files)) if files is not None else (str(ref),)
     if k not in cache:
-        cache[k] = (from_hub([(f"record {i}", r) for i, r in enumerate(hub_records(ref, key))]) if files is None
-                    else from_files(files))
+        cache[k] = from_hub() if files is None else from_files(files)
     return cache[k]
 
 
