@@ -1,4 +1,4 @@
-"""The learner's attention on a CPU: marft/attention.py against transformers' eager attention and
+"""The learner's attention on a CPU: marft/engines/attention.py against transformers' eager attention and
 PyTorch's scaled-dot-product kernel (what the model uses by default), side by side in one process.
 
     .venv/bin/python benchmarks/attention.py          # ~3 min, 2 threads
@@ -23,15 +23,15 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from marft import packing  # noqa: E402
-from marft.attention import attention as marft_attention  # noqa: E402
+from marft.engines.attention import attention as marft_attention  # noqa: E402
 from marft.api import prepare  # noqa: E402
-from marft.config import load_config  # noqa: E402
-from marft.learner import PolicyBatch  # noqa: E402
-from marft.trainer import Trainer  # noqa: E402
+from marft.run.config import load_config  # noqa: E402
+from marft.run.learner import PolicyBatch  # noqa: E402
+from marft.run.trainer import Trainer  # noqa: E402
 
 from common import CONFIG, PINNED  # noqa: E402
 
-CHOICES = {"marft_cpu (marft/attention.py)": "marft_cpu", "eager (transformers)": "eager",
+CHOICES = {"marft_cpu (marft/engines/attention.py)": "marft_cpu", "eager (transformers)": "eager",
            "sdpa (PyTorch's kernel, the model's default)": None}
 
 
@@ -50,7 +50,7 @@ def one_layer() -> None:
         rep = h // kvh
         return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=allowed)
 
-    fns = {"marft_cpu (marft/attention.py)": lambda q, k, v: marft_attention(M(), q, k, v, add, d ** -0.5)[0],
+    fns = {"marft_cpu (marft/engines/attention.py)": lambda q, k, v: marft_attention(M(), q, k, v, add, d ** -0.5)[0],
            "eager (transformers)": lambda q, k, v: eager_attention_forward(M(), q, k, v, add, d ** -0.5)[0],
            "sdpa (PyTorch's kernel, the model's default)": sdpa}
     print(f"# one layer, forward + backward, bf16: [{b}, {h}, {Lq}, {d}] queries over {Lk} keys ({kvh} key/value heads)")

@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from marft import packing  # noqa: E402
 from marft.api import prepare  # noqa: E402
-from marft.config import load_config  # noqa: E402
-from marft.generation import encode_chats  # noqa: E402
+from marft.run.config import load_config  # noqa: E402
+from marft.engines.generation import encode_chats  # noqa: E402
 
 from common import cpu_name  # noqa: E402
 from decode import chats  # noqa: E402

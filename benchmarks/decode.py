@@ -16,8 +16,8 @@ itself; give ``--adapters`` of a trained run to see what folding a real update c
     .venv/bin/python benchmarks/decode.py --config configs/coop_duo_sum.yaml --decode-only \
         --adapters RUN/checkpoints/latest/adapters --episodes 32 --prompt 120 --new 24 --no-profile
 The learner rows are those prompts with ``--reply`` random reply tokens each (``--rows`` of them);
-MFU = needed FLOPs (marft.flops: forward + backward through a frozen base) / seconds / the device's
-matrix rate (marft.flops.rate_label).
+MFU = needed FLOPs (marft.engines.flops: forward + backward through a frozen base) / seconds / the device's
+matrix rate (marft.engines.flops.rate_label).
 """
 from __future__ import annotations
 
@@ -31,12 +31,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import marft.generation as gen  # noqa: E402
+import marft.engines.generation as gen  # noqa: E402
 from marft import flops, packing  # noqa: E402
 from marft.api import prepare  # noqa: E402
-from marft.config import load_config  # noqa: E402
-from marft.generation import Sampling, encode_chats, generate, sequence_logprobs  # noqa: E402
-from marft.models import stop_token_ids  # noqa: E402
+from marft.run.config import load_config  # noqa: E402
+from marft.engines.generation import Sampling, encode_chats, generate, sequence_logprobs  # noqa: E402
+from marft.engines.models import stop_token_ids  # noqa: E402
 
 from common import CONFIG  # noqa: E402
 

@@ -32,9 +32,9 @@ def main() -> None:
     from common import CONFIG, PINNED, cpu_name
     from marft import flops
     from marft.api import prepare
-    from marft.config import load_config
+    from marft.run.config import load_config
     from marft.distributed import DistributedTrainer
-    from marft.trainer import Trainer
+    from marft.run.trainer import Trainer
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iterations", type=int, default=4)

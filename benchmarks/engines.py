@@ -30,11 +30,11 @@ def main() -> None:
     from common import CONFIG, cpu_name
     from marft import flops
     from marft.api import prepare
-    from marft.config import load_config
+    from marft.run.config import load_config
     from marft.engines.hf import HFEngine
     from marft.engines.vllm import VLLMEngine
-    from marft.generation import Sampling
-    from marft.rollout import rollout
+    from marft.engines.generation import Sampling
+    from marft.run.rollout import rollout
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--episodes", type=int, nargs="+", default=[64, 256])
@@ -81,10 +81,10 @@ def main() -> None:
 
 def logprob_gaps(models, out, temperature: float) -> list[float]:
     """Per reply token, |engine - learner| log-probability, the learner's teacher-forced pass
-    (``marft.generation.sequence_logprobs``, the tokens' own adapter) recomputing the engine's."""
+    (``marft.engines.generation.sequence_logprobs``, the tokens' own adapter) recomputing the engine's."""
     import torch
 
-    from marft.generation import sequence_logprobs
+    from marft.engines.generation import sequence_logprobs
 
     gaps: list[float] = []
     for t in out.turns[:2]:  # the first step's planner and solver turns

@@ -22,10 +22,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import marft.generation as gen  # noqa: E402
+import marft.engines.generation as gen  # noqa: E402
 from marft.api import prepare  # noqa: E402
-from marft.config import load_config  # noqa: E402
-from marft.models import stop_token_ids  # noqa: E402
+from marft.run.config import load_config  # noqa: E402
+from marft.engines.models import stop_token_ids  # noqa: E402
 
 CHATS = [[{"role": "system", "content": "You are the solver of a team."},
           {"role": "user", "content": f"Calculate {i} + {2 * i + 3}. Give the final answer in \\boxed{{}}."}]

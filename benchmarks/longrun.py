@@ -28,10 +28,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 from conftest import build_tiny_model  # noqa: E402
 
 from marft.api import prepare  # noqa: E402
-from marft.config import load_config  # noqa: E402
-from marft.evaluation import evaluate  # noqa: E402
-from marft.checkpoints import append_metrics  # noqa: E402
-from marft.trainer import Trainer  # noqa: E402
+from marft.run.config import load_config  # noqa: E402
+from marft.run.evaluation import evaluate  # noqa: E402
+from marft.run.checkpoints import append_metrics  # noqa: E402
+from marft.run.trainer import Trainer  # noqa: E402
 
 
 def rss_mib() -> float:

@@ -1,6 +1,6 @@
 """The ceiling MFU can reach with this model's own matrix shapes: each weight matrix's product at
 the row counts the rollout and the learner use, as a fraction of the 2048^3 product that MFU
-divides by (``marft.flops.matmul_rate``).
+divides by (``marft.engines.flops.matmul_rate``).
 
     .venv/bin/python benchmarks/matmul.py                       # embedded model, its dtype, 2 threads
     .venv/bin/python benchmarks/matmul.py --dtype float32
@@ -10,7 +10,7 @@ square: SmolLM2-135M multiplies [rows x 576] by 576 x 576 (attention), 576 x 192
 576 x 1536 and 1536 x 576 (MLP) and 576 x 49,152 (vocabulary). Decoding feeds as many rows as
 there are live replies (8-64), the learner a micro-batch of up to 2,048 tokens. The ceiling
 is the layer's products together (q, k, v, o, gate, up, down: the 2N FLOPs per token of
-``marft/flops.py``) at that row count, timed back to back: the MFU a forward pass would have if
+``marft/engines/flops.py``) at that row count, timed back to back: the MFU a forward pass would have if
 nothing but its matrix products took time (the last column). No rollout or learner can beat it without changing
 the shapes (more rows per product, or fused projections).
 """
@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from marft.flops import matmul_rate  # noqa: E402
+from marft.engines.flops import matmul_rate  # noqa: E402
 
 from common import cpu_name  # noqa: E402
 
@@ -53,7 +53,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoConfig
 
-    from marft.models import pick_device, pick_dtype, resolve_model
+    from marft.engines.models import pick_device, pick_dtype, resolve_model
 
     cfg = AutoConfig.from_pretrained(resolve_model(args.model, ""))
     dtype = pick_dtype(args.dtype, pick_device("cpu"))

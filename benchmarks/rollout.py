@@ -16,7 +16,7 @@ a CUDA graph, beside it without the graph, and the old path is left out):
 
 Seconds are generation time only (rollout's ``gen_seconds``; for transformers, its ``generate``
 calls). MFU = needed FLOPs / seconds / the machine's matrix-multiply rate in the model's dtype
-(``marft.flops``); needed FLOPs count prompt and reply tokens only (no padding, no finished rows,
+(``marft.engines.flops``); needed FLOPs count prompt and reply tokens only (no padding, no finished rows,
 the prompt prefix all rows of a batch share once), from each run's own replies. The task,
 temperature and reply limits are pinned to those BENCHMARKS.md was measured with
 (``benchmarks/common.py``: chain_sum, 0.7, 64 tokens) so that the figures do not move when the main
@@ -35,12 +35,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import marft.engines.hf as hf_engine  # noqa: E402
-import marft.rollout as rollout_module  # noqa: E402
+import marft.run.rollout as rollout_module  # noqa: E402
 from marft.api import prepare  # noqa: E402
-from marft.config import load_config  # noqa: E402
-from marft.flops import machine_rate, model_shape, rate_label  # noqa: E402
-from marft.generation import Sampling, encode_chats, generate, needed_work  # noqa: E402
-from marft.models import stop_token_ids  # noqa: E402
+from marft.run.config import load_config  # noqa: E402
+from marft.engines.flops import machine_rate, model_shape, rate_label  # noqa: E402
+from marft.engines.generation import Sampling, encode_chats, generate, needed_work  # noqa: E402
+from marft.engines.models import stop_token_ids  # noqa: E402
 
 from common import CONFIG, PINNED, cpu_name  # noqa: E402
 

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from marft.envs.code import CodeProblem, load_mbpp, run_tests  # noqa: E402
 from marft.errors import UserError  # noqa: E402
-from marft.sandbox import Limits, Sandbox  # noqa: E402
+from marft.envs.sandbox import Limits, Sandbox  # noqa: E402
 
 MBPP = "hf:google-research-datasets/mbpp:full"
 

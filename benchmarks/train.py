@@ -5,7 +5,7 @@
     .venv/bin/python benchmarks/train.py --no-ablations     # skip the learner ablation rows
     .venv/bin/python benchmarks/train.py --compile          # new path against new path + torch.compile
 
-Prints the CPU, the dtype and the matrix-multiply rate of this machine (marft.flops), then runs one
+Prints the CPU, the dtype and the matrix-multiply rate of this machine (marft.engines.flops), then runs one
 warm-up iteration and, from the same state and seed (so on nearly the same batch), one iteration
 with the old path (``train.fast=false``: padded passes, every prompt prefix recomputed, float32
 log-softmax over the vocabulary, a separate behaviour-log-prob pass) and
@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from marft import flops, packing  # noqa: E402
 from marft.api import prepare  # noqa: E402
-from marft.config import load_config  # noqa: E402
-from marft.trainer import Trainer  # noqa: E402
+from marft.run.config import load_config  # noqa: E402
+from marft.run.trainer import Trainer  # noqa: E402
 
 from common import CONFIG, PINNED, cpu_name  # noqa: E402
 

@@ -58,7 +58,7 @@ LORA = {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}
 
 
 def marft_config(a: argparse.Namespace):
-    from marft.config import load_config
+    from marft.run.config import load_config
 
     return load_config(str(ROOT / "configs/duo_arithmetic.yaml"), [
         "team.preset=solo", "team.max_new_tokens={}", "train.algorithm=grpo",
@@ -77,7 +77,7 @@ def run_marft(a: argparse.Namespace) -> dict:
     import torch
 
     from marft.api import prepare
-    from marft.trainer import Trainer
+    from marft.run.trainer import Trainer
 
     cfg = marft_config(a)
     team, models, make_env = prepare(cfg)
@@ -97,9 +97,9 @@ def run_marft(a: argparse.Namespace) -> dict:
 
 def solo_prompts(a: argparse.Namespace, n: int):
     """``n`` training problems: the solver's chat rendered as marft renders it, and its seed."""
-    from marft.assemble import env_factory
-    from marft.generation import _render
-    from marft.models import resolve_model
+    from marft.run.assemble import env_factory
+    from marft.engines.generation import _render
+    from marft.engines.models import resolve_model
     from marft.team import agent_messages, build_team
     from transformers import AutoTokenizer
 
@@ -123,7 +123,7 @@ def run_trl(a: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from marft.models import pick_device, pick_dtype, resolve_model
+    from marft.engines.models import pick_device, pick_dtype, resolve_model
 
     torch.set_num_threads(a.threads)
     cfg, team, make_env, rows = solo_prompts(a, 2 * a.steps * a.problems)
@@ -197,7 +197,7 @@ def held_out(a: argparse.Namespace, adapters: dict[str, Path]) -> dict:
 def table(files: list[str]) -> None:
     """Held-out accuracy over the seeds of ``--eval`` runs: each side's per seed, mean and 95%
     interval over seeds, and the difference of the first two sides (Welch)."""
-    from marft.report import seed_interval, welch_interval
+    from marft.experiments.report import seed_interval, welch_interval
 
     missing = [f for f in files if not Path(f).is_file()]
     if missing:

@@ -29,10 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from marft.api import env_factory, prepare  # noqa: E402
-from marft.config import load_config  # noqa: E402
+from marft.run.config import load_config  # noqa: E402
 from marft.engines import make_engine  # noqa: E402
-from marft.machine import describe_machine  # noqa: E402
-from marft.trainer import play  # noqa: E402
+from marft.engines.machine import describe_machine  # noqa: E402
+from marft.run.trainer import play  # noqa: E402
 
 INSTRUCTION = "task.options={instruction: 'Give the final answer in \\boxed{}.'}"
 

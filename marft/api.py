@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from .config import RunConfig, is_workflow, load_config as _load_config, save_config, to_dict
-from .assemble import (_machine, _num_problems, _quiet_libraries, _record_machine, check_new_run_dir, env_factory, make_dir,
+from .run.config import RunConfig, is_workflow, load_config as _load_config, save_config, to_dict
+from .run.assemble import (_machine, _num_problems, _quiet_libraries, _record_machine, check_new_run_dir, env_factory, make_dir,
                        output_file, prepare)
 from .errors import UserError
 
@@ -33,7 +33,7 @@ __all__ = ["MarftConfig", "MarftTrainer", "TrainResult", "TrainedTeam", "evaluat
 
 MarftConfig = RunConfig
 """The whole configuration of a run (model, team, task, rollout, eval, train, cluster, log):
-typed dataclasses with defaults; see :mod:`marft.config` and docs/config.md."""
+typed dataclasses with defaults; see :mod:`marft.run.config` and docs/config.md."""
 
 
 def _stderr(message: str) -> None:
@@ -124,7 +124,7 @@ def evaluate(config: RunConfig, adapters: str | Path | None = None, without: Ite
     ``extraction_rate``, ``pass_at_k``, per-agent lengths, ``transcripts``...) and writes it to
     ``output`` as JSON when given. ``progress(done, total, tokens)`` is called after every turn."""
     from .engines import make_engine
-    from .evaluation import evaluate as run_evaluation, write_json
+    from .run.evaluation import evaluate as run_evaluation, write_json
 
     cfg = config
     without = list(without or cfg.eval.without)
@@ -154,7 +154,7 @@ def adapters_folder(source: str | Path) -> Path:
     """The ``adapters/`` folder of a run folder (its latest checkpoint), of a checkpoint, or itself.
     A path through ``checkpoints/latest`` (a file naming the newest checkpoint, not a folder) goes
     to that checkpoint: ``run/checkpoints/latest/adapters`` works."""
-    from .checkpoints import latest_checkpoint, no_checkpoint_reason
+    from .run.checkpoints import latest_checkpoint, no_checkpoint_reason
 
     p = Path(source)
     for i, part in enumerate(p.parts):
@@ -214,7 +214,7 @@ class MarftTrainer:
 
     def __init__(self, config: RunConfig, *, log: Callable[[str], None] | None = _stderr,
                  callbacks: Iterable[Any] = (), _resume: Path | None = None):
-        from .trainer import Trainer
+        from .run.trainer import Trainer
 
         self.config = cfg = config
         self.run_dir = Path(cfg.output_dir)
@@ -244,7 +244,7 @@ class MarftTrainer:
     def resume(cls, run_dir: str | Path, overrides: Iterable[str] | dict = (), **kwargs: Any) -> "MarftTrainer":
         """The run in ``run_dir`` at its last checkpoint, with its saved config and ``overrides``
         (those that do not change what the checkpoint holds: more iterations, a learning rate...)."""
-        from .checkpoints import resume_checkpoint
+        from .run.checkpoints import resume_checkpoint
 
         run_dir = Path(run_dir)
         ckpt = resume_checkpoint(run_dir)  # or a UserError saying what is wrong with run_dir
@@ -286,7 +286,7 @@ class MarftTrainer:
     def evaluate(self, tag: str | None = None, without: Iterable[str] = ()) -> dict:
         """The team as it is now on the held-out problems; with a ``tag`` the result is also
         written to ``<run>/eval_<tag>.json``."""
-        from .evaluation import write_json, evaluate as run_evaluation
+        from .run.evaluation import write_json, evaluate as run_evaluation
 
         if self._num is None:
             self._num = _num_problems(self.make_env) or 0
@@ -307,9 +307,9 @@ class MarftTrainer:
         checkpoints every ``train.save_every`` and evaluations every ``train.eval_every``, then
         evaluate the trained team (and, with ``eval.ablate``, the team without each read agent).
         Writes metrics.jsonl, TensorBoard and the trackers of ``log:``; resumes where it stopped."""
-        from .evaluation import write_json
-        from .trackers import Trackers
-        from .checkpoints import append_metrics, latest_checkpoint, read_metrics, truncate_metrics
+        from .run.evaluation import write_json
+        from .run.trackers import Trackers
+        from .run.checkpoints import append_metrics, latest_checkpoint, read_metrics, truncate_metrics
 
         cfg, run_dir, resumed = self.config, self.run_dir, self._checkpoint is not None
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -393,7 +393,7 @@ class MarftTrainer:
         return res
 
     def _adapters(self) -> Path | None:
-        from .checkpoints import latest_checkpoint
+        from .run.checkpoints import latest_checkpoint
 
         ckpt = latest_checkpoint(self.run_dir)
         return ckpt / "adapters" if ckpt is not None else None
@@ -454,7 +454,7 @@ class TrainedTeam:
     Face's ``generate``), ``tokenizer`` its tokenizer; :meth:`reply` and :meth:`solve` play agents."""
 
     def __init__(self, config: RunConfig, adapters: str | Path | None = None):
-        from .models import TeamModel
+        from .engines.models import TeamModel
         from .team import build_team
 
         _quiet_libraries()
@@ -471,8 +471,8 @@ class TrainedTeam:
         greedy by default, with its own adapter active."""
         import torch
 
-        from .generation import encode_chats
-        from .models import stop_token_ids
+        from .engines.generation import encode_chats
+        from .engines.models import stop_token_ids
         from .team import agent_messages
 
         if agent not in self.team.names:
@@ -503,7 +503,7 @@ class TrainedTeam:
 
     def serve(self, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None):
         """The trained team behind the OpenAI-compatible endpoint a workflow run trains through
-        (:mod:`marft.serve`), started: each agent a model named as the agent, with its trained
+        (:mod:`marft.serving.serve`), started: each agent a model named as the agent, with its trained
         adapter, sampling as the config's rollout. Use it as a context manager (or ``.stop()``)::
 
             with marft.load_team("runs/workflow_duo").serve() as server:
@@ -533,11 +533,11 @@ class TrainedTeam:
 
 
 def team_server(config: RunConfig, team, models, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None):
-    """A :class:`marft.serve.TeamServer` (not started) for ``team`` on ``models`` with the engine
+    """A :class:`marft.serving.serve.TeamServer` (not started) for ``team`` on ``models`` with the engine
     ``rollout.engine`` names and the rollout's sampling; stopping it closes the engine."""
     from .engines import make_engine
-    from .generation import Sampling
-    from .serve import serve_team
+    from .engines.generation import Sampling
+    from .serving.serve import serve_team
 
     r = config.rollout
     return serve_team(models, team, make_engine(config, models), Sampling(r.temperature, r.top_p, r.top_k, r.max_new_tokens,

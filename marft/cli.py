@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     tr.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
-    sw = sub.add_parser("sweep", help="run a grid of training runs (resumable), see marft/sweep.py")
+    sw = sub.add_parser("sweep", help="run a grid of training runs (resumable), see marft/experiments/sweep.py")
     sw.add_argument("sweep", help="sweep YAML file (see configs/sweep_paper_small.yaml)")
     sw.add_argument("--dry-run", action="store_true", help="list the runs and their state; run nothing")
     sw.add_argument("--parallel", type=int, metavar="N", help="runs at once (overrides the file's parallel:)")
@@ -106,11 +106,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             return cmd_serve(args)
         if args.command == "sweep":
-            from .sweep import cmd_sweep
+            from .experiments.sweep import cmd_sweep
 
             return cmd_sweep(args)
         if args.command == "report":
-            from .report import cmd_report
+            from .experiments.report import cmd_report
 
             return cmd_report(args)
     except UserError as e:
@@ -129,9 +129,9 @@ def cmd_eval(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .api import adapters_folder, evaluate
-    from .assemble import config_file, output_file, task_label
-    from .config import load_config
-    from .evaluation import format_table, write_json
+    from .run.assemble import config_file, output_file, task_label
+    from .run.config import load_config
+    from .run.evaluation import format_table, write_json
 
     cfg = load_config(config_file(args.config, "eval"), args.overrides)
     out = Path(cfg.eval.output or Path(cfg.output_dir) / "eval.json")
@@ -172,8 +172,8 @@ def cmd_serve(args) -> int:
     import threading
 
     from .api import adapters_folder, team_server
-    from .assemble import config_file, prepare
-    from .config import load_config
+    from .run.assemble import config_file, prepare
+    from .run.config import load_config
 
     cfg = load_config(config_file(args.config, "serve"), args.overrides)
     if not 0 <= args.port <= 65535:
@@ -205,9 +205,9 @@ def cmd_serve(args) -> int:
 
 
 def cmd_env_check(args) -> int:
-    from .config import _split_override
+    from .run.config import _split_override
     from .envs.check import SHIPPED, load_env_class, main_check
-    from .workflow_check import is_workflow_config, looks_like_workflow, main_check_workflow
+    from .run.workflow_check import is_workflow_config, looks_like_workflow, main_check_workflow
 
     # a workflow: its config file, the kind "workflow" with task keys, or the workflow function itself
     if is_workflow_config(args.env) or args.env == "workflow":
@@ -215,7 +215,7 @@ def cmd_env_check(args) -> int:
     if args.env not in SHIPPED:
         fn = load_env_class(args.env)
         if looks_like_workflow(fn):
-            from .workflow import check_workflow
+            from .envs.workflow import check_workflow
 
             check_workflow(fn, args.env)  # workflow(problem, client): a wrong signature is one line, now
             return main_check_workflow(args.env, list(args.options), args.episodes)
@@ -226,7 +226,7 @@ def cmd_env_check(args) -> int:
 
 def _task_text(cfg) -> str:
     """The task of ``cfg`` in a line: ``kind:name`` (or its file), or a mixture's names."""
-    from .assemble import task_label
+    from .run.assemble import task_label
 
     t = cfg.task
     if cfg.tasks:

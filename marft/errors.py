@@ -23,3 +23,21 @@ def warn_once(message: str, key: str | None = None) -> None:
     if key not in WARNED:
         WARNED.add(key)
         print(message, file=sys.stderr)
+
+
+def hub_unreachable() -> tuple[str, str | None]:
+    """(the Hub's endpoint, why it cannot be reached, or None): one TCP connection, at most 5 s,
+    instead of the libraries' retries."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    endpoint = os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
+    url = urlparse(endpoint)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=5).close()
+    except OSError as e:
+        return endpoint, e.strerror or type(e).__name__
+    return endpoint, None

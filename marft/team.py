@@ -133,7 +133,7 @@ class Team:
 
 
 def build_team(cfg) -> Team:
-    """Resolve a :class:`marft.config.TeamConfig` into a :class:`Team`; raises UserError on a bad
+    """Resolve a :class:`marft.run.config.TeamConfig` into a :class:`Team`; raises UserError on a bad
     team (no agents, a name twice, an unknown name in the graph, a cycle)."""
     agents = list(cfg.agents)
     if not agents:

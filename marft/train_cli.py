@@ -26,7 +26,7 @@ def cmd_train(args) -> int:
     def log(message: str) -> None:
         console.print(message, markup=False, highlight=False)
 
-    from .assemble import check_new_run_dir, config_file
+    from .run.assemble import check_new_run_dir, config_file
 
     if args.resume:
         given = args.config if args.config and "=" not in args.config else None
@@ -69,8 +69,8 @@ def _check_given_config(given: str, overrides: list[str], run_dir: str) -> None:
     overrides), so CONFIG, with the same overrides, must be that config; a one-line error names
     the first keys where it is not, and how to make the change instead."""
     from .api import _check_same_run, _flatten, load_config
-    from .checkpoints import resume_checkpoint
-    from .config import to_dict
+    from .run.checkpoints import resume_checkpoint
+    from .run.config import to_dict
 
     ckpt = resume_checkpoint(run_dir)
     saved = load_config(ckpt / "config.yaml", output_dir=str(run_dir))

@@ -1,7 +1,7 @@
 """The rollout's typed batch: one :class:`Turn` per micro-step (t, i) (agent i's replies at
 environment step t, for every episode still running) and one :class:`Rollout` per batch of
 episodes; :func:`merge_rollouts` joins the shards that rollout workers played. Made by
-:func:`marft.rollout.rollout` and by a workflow rollout (:mod:`marft.workflow`), read by the
+:func:`marft.run.rollout.rollout` and by a workflow rollout (:mod:`marft.serving.workflow`), read by the
 algorithms and the learner."""
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class Rollout:
     gen_seconds: float = 0.0  # of which in generation
     infos: list[dict] = field(default_factory=list)  # the last info of each episode
     failed: torch.Tensor | None = None  # [E] bool: the environment raised or timed out (see the module docstring)
-    gen_flops: float = 0.0  # FLOPs the generation needed (marft.flops: prefill + decode, no padding)
+    gen_flops: float = 0.0  # FLOPs the generation needed (marft.engines.flops: prefill + decode, no padding)
     tasks: list[str] | None = None  # [E] the task of each episode in a mixture (its reset's options["task"]); "" otherwise
 
     def __post_init__(self):

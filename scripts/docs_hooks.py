@@ -13,7 +13,7 @@ What the site needs that MkDocs does not do by itself:
    points there, so the built site stands alone.
 3. **The reference generated from the code.** ``<!-- generated: config-reference -->`` becomes
    every config key with its type, default and docstring, read from the dataclasses of
-   ``marft/config.py``; ``<!-- generated: cli-reference -->`` the help of every ``marft`` command,
+   ``marft/run/config.py``; ``<!-- generated: cli-reference -->`` the help of every ``marft`` command,
    from ``marft/cli.py``'s argparse parser. (The Python API is mkdocstrings' ``:::`` blocks; the
    Sphinx roles of the docstrings, ``:func:`gae```, are dropped from their HTML.)
 
@@ -230,8 +230,8 @@ def _default(value) -> str:
 
 
 def config_reference() -> str:
-    """Every key of a run config, one table per section, from ``marft/config.py``."""
-    import marft.config as C
+    """Every key of a run config, one table per section, from ``marft/run/config.py``."""
+    import marft.run.config as C
 
     docs = _field_docs(Path(C.__file__).read_text(encoding="utf-8"))
     lines: list[str] = []

@@ -112,7 +112,7 @@ def _installed_versions(names: list[str]) -> dict[str, str]:
 
 def _embedded_folder() -> Path:
     sys.path.insert(0, str(ROOT))
-    from marft.models import resolve_model
+    from marft.engines.models import resolve_model
 
     return Path(resolve_model("smollm2-135m"))
 
@@ -247,7 +247,7 @@ def run(args) -> int:
         f"dev = {dev!r}\n"
         "if dev != 'cpu': d['gpu'] = torch.cuda.get_device_name(0); d['gpu_mib'] = torch.cuda.get_device_properties(0).total_memory // 2**20\n"
         "import sys; sys.path.insert(0, '.')\n"
-        "from marft.flops import matmul_rate\n"
+        "from marft.engines.flops import matmul_rate\n"
         "for n in ((512,) if dev == 'cpu' else (2048, 8192)):\n"
         "    d[f'bf16_tflops_{n}'] = round(matmul_rate(torch.bfloat16, dev, n) / 1e12, 2)\n"
         "print('DEVICE', json.dumps(d))\n"), 120)

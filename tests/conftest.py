@@ -20,7 +20,7 @@ _SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 if not os.environ.get("MARFT_TEST_DATA_DIR") and (_DATA_GIVEN or _SHARED_DATA.is_dir()):
     os.environ["MARFT_TEST_DATA_DIR"] = _DATA_GIVEN or str(_SHARED_DATA)
 
-from marft.models import build_tiny_model  # noqa: E402,F401 - model.name: tiny's model (test_vllm.py imports it from here)
+from marft.engines.models import build_tiny_model  # noqa: E402,F401 - model.name: tiny's model (test_vllm.py imports it from here)
 
 
 def pytest_collection_modifyitems(config, items):

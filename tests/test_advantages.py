@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from marft.advantages import (agent_group_advantages, credit_rewards, fold_skipped, from_token_layout, gae,
+from marft.maths.advantages import (agent_group_advantages, credit_rewards, fold_skipped, from_token_layout, gae,
                               group_advantages, ippo_gae, micro_discounts, micro_layout, normalize, to_token_layout, token_layout,
                               turn_group_advantages, valid_steps)
 
@@ -385,7 +385,7 @@ def test_one_step_team_reward_makes_the_group_baselines_coincide():
     problem: the same advantage for every agent. So on such a task they can only differ from
     ``grpo`` by the whitening (per agent for dr-mas), which is why RESULTS.md's cooperative
     comparison does not run them."""
-    from marft.advantages import agent_group_advantages, group_advantages, turn_group_advantages
+    from marft.maths.advantages import agent_group_advantages, group_advantages, turn_group_advantages
 
     team = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0])  # 8 episodes, groups of 4
     groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])

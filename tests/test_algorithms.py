@@ -1,10 +1,10 @@
-"""The algorithm objects (marft.algorithms): what each one says it is, and the per-agent whitening of
+"""The algorithm objects (marft.maths.algorithms): what each one says it is, and the per-agent whitening of
 dr-mas against hand-computed numbers."""
 from types import SimpleNamespace
 
 import torch
 
-from marft.algorithms import ALGORITHMS
+from marft.maths.algorithms import ALGORITHMS
 
 
 def test_each_algorithm_says_what_it_is():
@@ -39,7 +39,7 @@ def test_whitening_per_agent_or_over_the_batch():
 def test_targets_of_an_agent_program_that_skips_an_agent(monkeypatch):
     # planner at step 0, then planner and solver at step 1 (an agent program's call order; the solver did
     # not act at step 0): marft's and ippo's targets treat the empty micro-step as not there
-    import marft.algorithms as alg
+    import marft.maths.algorithms as alg
     values = {(0, "planner"): 0.5, (1, "planner"): 0.7, (1, "solver"): 0.8}
     feature = lambda models, agent, rows, work=None: rows  # noqa: E731  (a row's value is its feature)
     monkeypatch.setattr(alg, "state_features", feature)

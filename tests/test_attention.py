@@ -1,10 +1,10 @@
-"""The learner's CPU attention (marft/attention.py) against transformers' eager attention: same
+"""The learner's CPU attention (marft/engines/attention.py) against transformers' eager attention: same
 outputs and gradients, with grouped-query heads, a causal offset (a cached prefix) and padding."""
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from marft.attention import attention
+from marft.engines.attention import attention
 
 
 class _Module(torch.nn.Module):

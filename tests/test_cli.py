@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from marft.cli import main
-from marft.evaluation import accuracy_interval, wilson_interval
+from marft.run.evaluation import accuracy_interval, wilson_interval
 
 
 def test_wilson_interval_hand_values():
@@ -64,8 +64,8 @@ def test_adapters_saved_and_loaded_back(tiny_model_dir, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from marft.config import load_config
-    from marft.models import TeamModel
+    from marft.run.config import load_config
+    from marft.engines.models import TeamModel
     from marft.team import build_team
 
     cfg = load_config(None, [f"model.name={tiny_model_dir}", "model.dtype=float32", "model.device=cpu"])

@@ -6,9 +6,9 @@ import os
 import pytest
 
 from marft.envs.code import CodeEnv, CodeProblem, extract_code, load_humaneval, load_mbpp, run_tests
-from marft.evaluation import pass_at_k
+from marft.run.evaluation import pass_at_k
 from marft.errors import UserError
-from marft.sandbox import Limits, Sandbox
+from marft.envs.sandbox import Limits, Sandbox
 
 MBPP = "hf:google-research-datasets/mbpp:full"  # read from MARFT_DATA_DIR's copy (the data_dir fixture)
 SB = Sandbox(Limits(wall_s=10, cpu_s=10), workers=2)

@@ -1,4 +1,4 @@
-"""torch.compile in marft (marft/compiling.py). rollout.compile: the HF engine's decode step
+"""torch.compile in marft (marft/engines/compiling.py). rollout.compile: the HF engine's decode step
 compiled acts with each agent's own adapter (a compiled step made for one adapter is never reused
 for another), folded or through the adapter layers, and the reference policy without them: the
 replies of the uncompiled loop. train.compile: the learner's passes with compiled decoder layers
@@ -11,11 +11,11 @@ import torch
 from test_generation import CHATS
 from test_merged import duo  # noqa: F401 -- the fixture: two agents whose adapters change the replies
 from marft import compiling, packing
-from marft.config import load_config
+from marft.run.config import load_config
 from marft.engines import make_engine
 from marft.engines.hf import HFEngine
-from marft.generation import Sampling, generate
-from marft.models import stop_token_ids
+from marft.engines.generation import Sampling, generate
+from marft.engines.models import stop_token_ids
 
 SAMPLING = Sampling(temperature=1.0, max_new_tokens=10)
 
@@ -46,7 +46,7 @@ def test_agents_taking_turns_compile_once_each(duo):
     set_adapter leaves only the acting adapter trainable; marft keeps every adapter trainable)."""
     import torch._dynamo
 
-    from marft.critic import state_features
+    from marft.maths.critic import state_features
 
     team, models = duo
     a, b = team.names
@@ -77,7 +77,7 @@ def test_the_engine_compiles_when_the_config_asks(duo, tiny_overrides):
 
 
 def test_a_step_that_cannot_be_compiled_runs_as_it_is(duo, monkeypatch, capsys):
-    import marft.generation as gen
+    import marft.engines.generation as gen
 
     team, models = duo
     tries = []

@@ -1,7 +1,7 @@
 """Configuration: YAML + dotted overrides, presets, and one-line errors for bad input."""
 import pytest
 
-from marft.config import load_config, save_config
+from marft.run.config import load_config, save_config
 from marft.errors import UserError
 
 
@@ -97,7 +97,7 @@ def test_group_baselines_are_algorithms_with_groups_of_one_problem(algorithm):
 
 
 def test_an_unknown_algorithm_lists_every_algorithm():
-    from marft.algorithms import ALGORITHMS
+    from marft.maths.algorithms import ALGORITHMS
 
     with pytest.raises(UserError) as e:
         load_config(None, ["train.algorithm=mappo"])
@@ -201,7 +201,7 @@ def test_task_name_in_options_conflicts_with_task_name(capsys, tiny_overrides, t
 
 
 def test_adapters_trained_with_other_lora_settings_are_refused(capsys, tiny_overrides, tmp_path):
-    from marft.models import TeamModel
+    from marft.engines.models import TeamModel
     from marft.team import build_team
 
     cfg = load_config(COOP, tiny_overrides)
@@ -222,7 +222,7 @@ def test_adapters_trained_with_other_lora_settings_are_refused(capsys, tiny_over
 
 
 def test_wording_of_env_check_options_lookup_entries_and_model_files(capsys, tiny_overrides, tiny_model_dir, tmp_path):
-    from marft.config import _split_override
+    from marft.run.config import _split_override
     from marft.envs.coop import CoopEnv
 
     with pytest.raises(UserError) as e:  # what marft env-check should call (marft/cli.py)

@@ -171,7 +171,7 @@ def test_coop_configs_train_and_evaluate_on_the_tiny_model(config, tiny_override
 def test_the_solver_alone_still_gets_its_own_part_of_the_whole_problem():
     """An ablation builds the environment for part of the team: the parts are still dealt for the
     whole team and the answer is the whole team's, so the solver alone is at chance."""
-    from marft.config import load_config
+    from marft.run.config import load_config
     from marft.team import build_team
 
     team = build_team(load_config("configs/coop_trio_sum.yaml").team)
@@ -214,7 +214,7 @@ def test_the_relay_trio_starts_from_a_trained_duo(tiny_overrides, tiny_model_dir
 
     from test_rollout import make
     from marft.cli import main
-    from marft.config import load_config
+    from marft.run.config import load_config
 
     configs = Path(__file__).parents[1] / "configs"
     duo = tmp_path / "duo"

@@ -1,9 +1,9 @@
 """Critic features line up with the positions they value."""
 import torch
 
-from marft.config import load_config
-from marft.critic import ValueHead, state_features, token_features
-from marft.models import TeamModel
+from marft.run.config import load_config
+from marft.maths.critic import ValueHead, state_features, token_features
+from marft.engines.models import TeamModel
 from marft.team import build_team
 
 

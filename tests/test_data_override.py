@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from marft.config import load_config, task_list
+from marft.run.config import load_config, task_list
 from marft.envs import sources
 from marft.envs.code import CodeEnv, load_mbpp, mbpp_problem
 from marft.envs.dataset import load_splits
@@ -202,7 +202,7 @@ def test_hub_unreachable_fails_at_once_naming_the_override(monkeypatch):
 
 def _shipped_runs():
     """(name, config) of every config in configs/, and of every run of its sweeps."""
-    from marft.sweep import load_sweep
+    from marft.experiments.sweep import load_sweep
 
     for path in sorted((ROOT / "configs").glob("*.yaml")):
         data = yaml.safe_load(path.read_text()) or {}

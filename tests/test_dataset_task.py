@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from marft.cli import main
-from marft.config import load_config
+from marft.run.config import load_config
 from marft.envs import DATASET_KEYS, KINDS, make_env_factory
 from marft.envs.dataset import DatasetEnv, load_reward
 from marft.errors import UserError
@@ -527,7 +527,7 @@ def test_team_learns_a_dataset_task(tiny_model_dir, vowel_env_path, tmp_path):
     learns, and its rewards are those of the class-based Vowel task (same prompt, same seeds), with
     the reward written for marft and written for TRL alike."""
     from marft.api import prepare
-    from marft.trainer import Trainer
+    from marft.run.trainer import Trainer
 
     data = write_jsonl(tmp_path / "words.jsonl", [{"question": "Say a word."}] * 10)
     reward = tmp_path / "vowel_reward.py"

@@ -16,11 +16,11 @@ import torch
 
 from marft.api import prepare
 from marft.cli import main
-from marft.config import load_config
+from marft.run.config import load_config
 from marft.errors import UserError
 from marft.turns import merge_rollouts
-from marft.checkpoints import latest_checkpoint
-from marft.trainer import Trainer
+from marft.run.checkpoints import latest_checkpoint
+from marft.run.trainer import Trainer
 
 from test_train import snapshot, trainer_for, vowel_overrides  # noqa: F401 - fixtures
 

@@ -36,7 +36,7 @@ def config_keys(cls, prefix: str = "") -> list[str]:
 
 
 def test_site_builds_strictly_with_references_from_the_code(tmp_path):
-    from marft.config import AgentConfig, RunConfig
+    from marft.run.config import AgentConfig, RunConfig
 
     p = build(ROOT / "mkdocs.yml", tmp_path / "site")
     out = p.stdout + p.stderr

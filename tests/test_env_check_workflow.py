@@ -1,4 +1,4 @@
-"""``marft env-check`` on a workflow (marft/workflow_check.py): the shipped agent programs play a few
+"""``marft env-check`` on a workflow (marft/run/workflow_check.py): the shipped agent programs play a few
 episodes on the tiny model (``model.name: tiny``) and are reported (calls, steps, rewards, time); a
 broken one gets its one-line finding, status 1, no traceback; what stops the check before any
 episode (a wrong signature, missing keys) is a one-line error, status 2."""
@@ -143,7 +143,7 @@ def test_what_stops_the_check_before_any_episode_is_one_line(capsys, broken, arg
 
 
 def test_a_refused_call_is_said_in_the_endpoints_words():
-    from marft.workflow_check import reason
+    from marft.run.workflow_check import reason
     raised = ("the workflow raised BadRequestError: Error code: 400 - {'error': {'message': 'n must be 1 (one reply per "
               "request), got 2', 'type': 'invalid_request_error', 'param': 'n', 'code': None}}")
     assert reason(raised, ["planner", "solver"]) == ("the workflow raised BadRequestError: the endpoint refused a call "

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import VOWEL_ENV
-from marft.checkpoints import latest_checkpoint
+from marft.run.checkpoints import latest_checkpoint
 from marft.cli import main
 
 CONFIG = "configs/duo_arithmetic.yaml"

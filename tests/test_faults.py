@@ -10,11 +10,11 @@ import torch
 
 from marft.api import prepare
 from marft.cli import main
-from marft.config import load_config
-from marft.generation import Sampling
-from marft.rollout import Rollout, Turn, rollout
-from marft.checkpoints import latest_checkpoint
-from marft.trainer import Trainer
+from marft.run.config import load_config
+from marft.engines.generation import Sampling
+from marft.run.rollout import Rollout, Turn, rollout
+from marft.run.checkpoints import latest_checkpoint
+from marft.run.trainer import Trainer
 
 ENVS = '''
 import time

@@ -30,7 +30,7 @@ def test_a_bad_peak_is_a_one_line_error(monkeypatch, bad):
 
 
 def test_learner_token_budget_is_the_config_or_the_cpu_default():
-    from marft.packing import CPU_TOKENS, token_budget
+    from marft.engines.packing import CPU_TOKENS, token_budget
 
     model = torch.nn.Linear(4, 4)
     assert token_budget(model, 4096) == 4096

@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from marft.flops import model_shape
-from marft.generation import (_CACHE, Sampling, _common_prefix, _filter, _positions, _ReservedLayer, _sample,
+from marft.engines.flops import model_shape
+from marft.engines.generation import (_CACHE, Sampling, _common_prefix, _filter, _positions, _ReservedLayer, _sample,
                               _stop_string_hit, encode_chats, generate, sequence_logprobs)
-from marft.models import load_base
+from marft.engines.models import load_base
 
 
 def test_sampler_follows_the_distribution_and_never_picks_masked_tokens():
@@ -248,7 +248,7 @@ def test_static_loop_with_eager_attention_gives_the_plain_replies(tiny):
 def test_static_loop_reads_every_step_from_the_device(tiny):
     """What a CUDA graph needs: every decode step feeds the model tensors of the same shapes (the
     whole cache buffer, the whole mask), and the cache column written comes from a device tensor."""
-    import marft.generation as gen
+    import marft.engines.generation as gen
 
     model, tok, stops = tiny
     shapes = []
@@ -274,7 +274,7 @@ def test_static_loop_reads_every_step_from_the_device(tiny):
 
 def test_no_module_draws_random_numbers_on_a_fixed_device():
     """The first GPU run crashed on ``torch.rand(..., generator=cpu_generator, device=logits.device)``.
-    A draw that passes a generator must take the generator's own device (``marft.generation._uniform``
+    A draw that passes a generator must take the generator's own device (``marft.engines.generation._uniform``
     does, and moves the numbers); any other draw with both a generator and a device is a bug."""
     import ast
     from pathlib import Path
@@ -294,7 +294,7 @@ def test_no_module_draws_random_numbers_on_a_fixed_device():
 def test_a_cpu_generator_drives_a_model_elsewhere():
     """The numbers come from the generator's device and are moved to the model's ("meta" stands in
     for a GPU here): the same numbers as drawn step by step on the CPU."""
-    from marft.generation import _Uniforms
+    from marft.engines.generation import _Uniforms
 
     g = torch.Generator().manual_seed(1)
     u = _Uniforms(g, 3, 4, torch.device("meta"))
@@ -310,7 +310,7 @@ def test_the_compiled_decode_step_gives_the_plain_replies_and_compiles_once(tiny
     without compiling anew (dynamic shapes), so a rollout's varying prompts compile once."""
     import torch._dynamo
 
-    from marft.generation import _compiled_step
+    from marft.engines.generation import _compiled_step
 
     model, tok, stops = tiny
     sampling = SAMPLINGS[0]

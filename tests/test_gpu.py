@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from marft.cli import main
-from marft.checkpoints import latest_checkpoint
-from marft.generation import Sampling, generate
-from marft.models import load_base
+from marft.run.checkpoints import latest_checkpoint
+from marft.engines.generation import Sampling, generate
+from marft.engines.models import load_base
 
 pytestmark = pytest.mark.gpu
 
@@ -101,7 +101,7 @@ def test_the_mfu_rate_on_a_gpu_is_a_large_product(on_gpu):
 def test_the_learner_token_budget_follows_the_gpu_memory(on_gpu):
     """Auto (0): about 16k tokens for Qwen2.5-1.5B's shapes on an H200 (measured: 77-88 GiB peak at
     16,384); here the tiny model's width gives a far larger budget, in multiples of 1,024."""
-    from marft.packing import token_budget
+    from marft.engines.packing import token_budget
 
     model, _, _ = on_gpu
     budget = token_budget(model, 0)
@@ -113,7 +113,7 @@ def test_the_folded_adapter_on_the_gpu(tiny_model_dir):
     as the adapter layers do, in fp32, and leaves the base weights as they were."""
     from test_rollout import make, perturb
     from marft.engines.hf import HFEngine
-    from marft.models import _foldable_layers
+    from marft.engines.models import _foldable_layers
 
     _, team, models = make(["model.device=cuda"], tiny_model_dir)
     perturb(models, team.adapters[0])

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from marft.envs.code import CodeProblem, run_tests
-from marft.sandbox import Limits, Sandbox
+from marft.envs.sandbox import Limits, Sandbox
 
 SB = Sandbox(Limits(wall_s=10, cpu_s=10), workers=2)
 PROTECTIONS = " ".join(SB.protections())

@@ -59,7 +59,7 @@ def test_init_adapters_of_other_lora_settings_are_refused(saved_duo, tiny_model_
 
 
 def test_init_adapters_must_name_folders():
-    from marft.config import load_config
+    from marft.run.config import load_config
     with pytest.raises(UserError, match="model.init_adapters maps adapter names to adapter folders"):
         load_config(None, ["model.init_adapters={planner: 5}"])
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from marft.checkpoints import latest_checkpoint
+from marft.run.checkpoints import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # chosen iteration: argv = WHERE ITERATION marft-arguments...
 DRIVER = '''
 import os, signal, sys
-import marft.models as M, marft.engines.hf as R, marft.trainer as T, marft.checkpoints as C
+import marft.engines.models as M, marft.engines.hf as R, marft.run.trainer as T, marft.run.checkpoints as C
 from marft.cli import main
 
 where, at, args = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
@@ -56,9 +56,9 @@ if where == "generation":  # the second agent's turn of the rollout
     R.generate = kill_at(R.generate, nth=2)
 elif where == "update":  # the third minibatch's forward and backward of the update, after an optimiser step
     try:
-        from marft.learner import AdapterLearner
+        from marft.run.learner import AdapterLearner
         AdapterLearner.accumulate = kill_at(AdapterLearner.accumulate, nth=3)
-    except ImportError:  # before marft/learner.py
+    except ImportError:  # before marft/run/learner.py
         T.Trainer._accumulate = kill_at(T.Trainer._accumulate, nth=3)
 elif where == "adapters":  # the checkpoint's adapters are written, trainer.pt is not
     M.TeamModel.save_adapters = kill_at(M.TeamModel.save_adapters, after=True)

@@ -1,4 +1,4 @@
-"""One adapter's policy update (marft/learner.py) on the tiny model: what it reports, that a batch of
+"""One adapter's policy update (marft/run/learner.py) on the tiny model: what it reports, that a batch of
 the adapter's own turns learns exactly what the whole rollout's turns do, that skipped updates are
 reported as they happen, and that the Ray learner (as a plain object) updates exactly as the
 trainer does."""
@@ -10,11 +10,11 @@ import torch
 
 from marft import losses
 from marft.api import prepare
-from marft.config import load_config
+from marft.run.config import load_config
 from marft.distributed.actors import Learner
 from marft.distributed.driver import _job
-from marft.learner import AdapterLearner, PolicyBatch, UpdateStats, metric_prefix
-from marft.trainer import Trainer
+from marft.run.learner import AdapterLearner, PolicyBatch, UpdateStats, metric_prefix
+from marft.run.trainer import Trainer
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from marft.logits import token_logprobs_and_entropy
+from marft.engines.logits import token_logprobs_and_entropy
 
 
 def make(n=11, H=8, V=37, dtype=torch.float32, seed=0):

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from marft.losses import (action_logprobs, entropy_from_logits, kl_penalty, masked_mean, ppo_policy_loss,
+from marft.maths.losses import (action_logprobs, entropy_from_logits, kl_penalty, masked_mean, ppo_policy_loss,
                           value_loss)
 
 T, F = True, False

@@ -10,8 +10,8 @@ import torch
 from test_generation import CHATS
 from test_rollout import make, perturb
 from marft.engines.hf import HFEngine
-from marft.generation import Sampling, generate
-from marft.models import _foldable_layers, stop_token_ids
+from marft.engines.generation import Sampling, generate
+from marft.engines.models import _foldable_layers, stop_token_ids
 
 SAMPLING = Sampling(temperature=1.0, max_new_tokens=12)
 
@@ -66,7 +66,7 @@ def test_base_weights_are_restored_bit_for_bit(duo):
 
 
 def test_the_engine_folds_when_the_config_asks(duo, tiny_overrides):
-    from marft.config import load_config
+    from marft.run.config import load_config
     from marft.engines import make_engine
 
     team, models = duo

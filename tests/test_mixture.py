@@ -12,15 +12,15 @@ from collections import Counter
 import pytest
 import torch
 
-from marft.algorithms import ALGORITHMS
+from marft.maths.algorithms import ALGORITHMS
 from marft.api import env_factory, prepare
-from marft.checkpoints import latest_checkpoint
+from marft.run.checkpoints import latest_checkpoint
 from marft.cli import main
-from marft.config import load_config
+from marft.run.config import load_config
 from marft.envs.mixture import MixtureEnv, MixtureFactory, draw_tasks, macro_interval, weight_at
 from marft.errors import UserError
-from marft.rollout import Rollout, Turn
-from marft.trainer import Trainer
+from marft.run.rollout import Rollout, Turn
+from marft.run.trainer import Trainer
 
 from conftest import VOWEL_ENV
 from test_api import comparable
@@ -254,7 +254,7 @@ def test_ray_shards_a_mixed_batch_as_one_process_plays_it(envs_path, base, tmp_p
     from marft.distributed import shard
     from marft.distributed.driver import shard_seed
     from marft.turns import merge_rollouts
-    from marft.trainer import play
+    from marft.run.trainer import play
 
     over = [*base, mixture(envs_path)]
     local = trainer_for(over)
@@ -298,7 +298,7 @@ def ray_metrics(config: str, overrides: list[str], iterations: int = 2) -> list[
 
 # ---------------------------------------------------------------------------- sweeps and bad input
 def test_a_sweep_takes_mixtures_as_grid_values(envs_path, tmp_path):
-    from marft.sweep import load_sweep
+    from marft.experiments.sweep import load_sweep
 
     sweep = tmp_path / "sweep.yaml"
     sweep.write_text(f"""
@@ -430,7 +430,7 @@ def test_one_task_with_scaled_rewards_plays_whatever_its_weight(envs_path, base)
 
 
 def test_a_mixtures_interval_over_seeds_is_that_of_its_macro_mean():
-    from marft.report import _summary
+    from marft.experiments.report import _summary
 
     def result(a: list[float], b: list[float]) -> dict:
         ta = {"accuracy": sum(a) / len(a), "per_problem_success": a, "ci95": [0, 1]}

@@ -1,14 +1,14 @@
-"""The learner's fast path (marft/packing.py) against the plain padded pass: same log-probabilities,
+"""The learner's fast path (marft/engines/packing.py) against the plain padded pass: same log-probabilities,
 entropies, losses and gradients on a tiny float32 model; and the grouping helpers by hand."""
 import pytest
 import torch
 
 from marft import packing
 from marft.api import prepare
-from marft.config import load_config
-from marft.generation import sequence_logprobs
-from marft.learner import PolicyBatch
-from marft.trainer import Trainer
+from marft.run.config import load_config
+from marft.engines.generation import sequence_logprobs
+from marft.run.learner import PolicyBatch
+from marft.run.trainer import Trainer
 
 
 def test_micro_batches_group_similar_lengths_within_the_token_budget():
@@ -52,7 +52,7 @@ def test_fast_logprobs_and_entropy_equal_the_padded_pass(tiny_overrides):
             plain = sequence_logprobs(model, t.prompt_ids, t.prompt_mask, t.response_ids, t.response_mask, 0.8)
             ids = torch.cat([t.prompt_ids, t.response_ids], 1)
             mask = torch.cat([t.prompt_mask, t.response_mask], 1).long()
-            from marft.generation import _positions
+            from marft.engines.generation import _positions
             z = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask),
                       logits_to_keep=t.response_ids.shape[1] + 1).logits[:, :-1].float() / 0.8
             plain_ent = -(z.log_softmax(-1).exp() * z.log_softmax(-1)).sum(-1) * t.response_mask

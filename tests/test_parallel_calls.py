@@ -1,4 +1,4 @@
-"""Agent programs that call agents in parallel (marft/workflow.py, marft/serve.py): calls made before
+"""Agent programs that call agents in parallel (marft/serving/workflow.py, marft/serving/serve.py): calls made before
 an earlier call's reply came back are one Flex-MG step, ordered by the team's agent order whatever
 their arrival order; batches form the same way from run to run, so one seed gives one rollout for
 async programs (``asyncio.gather``) and threaded ones (a thread pool) alike; evaluation counts
@@ -17,9 +17,9 @@ pytest.importorskip("openai")
 
 from test_rollout import make, perturb  # noqa: E402
 from marft.engines.hf import HFEngine  # noqa: E402
-from marft.generation import Sampling  # noqa: E402
-from marft.serve import serve_team  # noqa: E402
-from marft.workflow import play_workflows  # noqa: E402
+from marft.engines.generation import Sampling  # noqa: E402
+from marft.serving.serve import serve_team  # noqa: E402
+from marft.serving.workflow import play_workflows  # noqa: E402
 
 SAMPLING = Sampling(temperature=1.0, max_new_tokens=6)
 AGENTS = "team.agents=[{name: drafter_a}, {name: drafter_b}, {name: judge}]"
@@ -140,7 +140,7 @@ def test_two_parallel_calls_to_one_agent_are_two_steps_ordered_by_what_they_ask(
 
 
 def test_distinct_problems_count_when_the_first_call_is_not_the_first_agents(trio):
-    from marft.evaluation import _Record
+    from marft.run.evaluation import _Record
 
     async def no_a(problem, client):  # drafter_a never acts: drafter_b opens every episode
         draft = await ask_async(client, "drafter_b", problem["prompt"])
@@ -158,7 +158,7 @@ def test_distinct_problems_count_when_the_first_call_is_not_the_first_agents(tri
 
 
 def test_a_failed_episode_keeps_the_calls_it_made_and_is_left_out_of_training(trio):
-    from marft.evaluation import _Record
+    from marft.run.evaluation import _Record
 
     async def breaks(problem, client):
         a, b = await asyncio.gather(ask_async(client, "drafter_a", problem["prompt"]),
@@ -218,7 +218,7 @@ def test_one_seed_one_run_with_parallel_calls_async_and_threaded(tiny_model_dir,
     program gives the same run as the async one."""
     from test_api import comparable
     from test_dataset_task import REWARDS, records, write_jsonl
-    from marft.checkpoints import latest_checkpoint
+    from marft.run.checkpoints import latest_checkpoint
     from marft.cli import main
 
     data = write_jsonl(tmp_path / "sums.jsonl", records(20))
@@ -261,7 +261,7 @@ def test_a_workflow_file_is_imported_once_while_it_is_unchanged(tmp_path):
     every environment, so a counter or a cache reset at every rollout); a changed file is read again."""
     import os
 
-    from marft.workflow import load_workflow
+    from marft.envs.workflow import load_workflow
 
     path = tmp_path / "counting.py"
     path.write_text("CALLS = []\n\ndef run(problem, client):\n    CALLS.append(problem)\n    return ''\n")

@@ -16,10 +16,10 @@ from marft import losses
 from conftest import VOWEL_ENV
 from marft.api import prepare
 from marft.cli import main
-from marft.config import load_config
-from marft.learner import AdapterLearner
-from marft.checkpoints import latest_checkpoint
-from marft.trainer import Trainer
+from marft.run.config import load_config
+from marft.run.learner import AdapterLearner
+from marft.run.checkpoints import latest_checkpoint
+from marft.run.trainer import Trainer
 
 ENVS = VOWEL_ENV + '''
 class Never(Vowel):
@@ -242,7 +242,7 @@ def test_degenerate_counts_by_hand():
     turns = [SimpleNamespace(texts=["", "a", " \n", "b"], truncated=torch.tensor([True, False, False, False])),
              SimpleNamespace(texts=["c", "d", "e", "f"], truncated=torch.tensor([True, True, False, False]))]
     out = SimpleNamespace(rewards=rewards, turns=turns)
-    from marft.algorithms import ALGORITHMS
+    from marft.maths.algorithms import ALGORITHMS
 
     grpo = SimpleNamespace(algo=ALGORITHMS["grpo"], cfg=SimpleNamespace(train=SimpleNamespace(group_size=4)))
     stats = Trainer._degenerate_stats(grpo, out)

@@ -6,8 +6,8 @@ import struct
 import pytest
 
 from marft.cli import main
-from marft.config import load_config, save_config
-from marft.report import build_report, comparisons, find_runs, seed_interval, spearman, t_quantile_975, welch_interval
+from marft.run.config import load_config, save_config
+from marft.experiments.report import build_report, comparisons, find_runs, seed_interval, spearman, t_quantile_975, welch_interval
 
 
 def make_run(folder, seed, final, untrained=None, iterations=3, metrics=None, without=None, algorithm="marft", sweep_labels=None,
@@ -164,7 +164,7 @@ def test_report_command_writes_markdown_json_and_plots(sweep_dir, capsys):
 def test_a_mixtures_per_task_curves_are_labelled_as_tasks_not_agents(tmp_path, monkeypatch):
     import matplotlib.figure
 
-    from marft.report import RunInfo, _series, plot_curves
+    from marft.experiments.report import RunInfo, _series, plot_curves
     assert _series("tasks/arith/reward", "reward") == "task: arith"
     assert _series("tasks/gsm8k/test/accuracy", "accuracy") == "task: gsm8k/test"
     assert _series("planner/approx_kl", "approx_kl") == "agent: planner"
@@ -238,7 +238,7 @@ def test_a_baseline_run_counts_its_one_evaluation_once(tmp_path):
 
 
 def test_learning_curve_against_training_minutes(tmp_path, capsys):
-    from marft.report import _evaluations
+    from marft.experiments.report import _evaluations
 
     run = tmp_path / "main"
     make_run(run, 0, final=[1, 1, 1, 0], untrained=[0, 0, 1, 0], iterations=4)
@@ -257,7 +257,7 @@ def test_learning_speed_by_hand(tmp_path):
     """Area = the mean training accuracy; steps_to = optimiser steps per agent after which the
     trailing mean of 5 iterations first reaches 50% (the duo's config: 32 episodes in minibatches of
     16, one epoch: 2 steps per iteration)."""
-    from marft.report import learning_speed
+    from marft.experiments.report import learning_speed
 
     curve = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0, 1.0]
     s = learning_speed([{"iteration": i + 1, "accuracy": a} for i, a in enumerate(curve)], 4)
@@ -287,7 +287,7 @@ def test_the_report_says_where_the_runs_ran(tmp_path):
     (tmp_path / "b" / "sweep_run.json").write_text(json.dumps({"labels": {"seed": "1"}, "machines": ["AMD EPYC, 2 cores"]}))
     report = build_report(find_runs([str(tmp_path)]))
     assert report["machines"] == {"Intel Xeon (AMX, 2 cores), cpu, bfloat16": 1, "AMD EPYC, 2 cores": 1, "not recorded": 1}
-    from marft.report import to_markdown
+    from marft.experiments.report import to_markdown
     assert "Machines (every run with a result, finished or not): Intel Xeon (AMX, 2 cores), cpu, bfloat16: 1 run; AMD EPYC, 2 cores: 1 run; not recorded: 1 run." \
         in to_markdown(report, [])
 

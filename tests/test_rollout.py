@@ -7,11 +7,11 @@ from transformers import AutoModelForCausalLM
 
 import marft.engines.hf as hf_engine
 from marft.engines.hf import HFEngine
-from marft.config import load_config
+from marft.run.config import load_config
 from marft.envs.base import Grade, Problem, TurnBasedEnv
-from marft.generation import Sampling, sequence_logprobs
-from marft.models import TeamModel
-from marft.rollout import rollout
+from marft.engines.generation import Sampling, sequence_logprobs
+from marft.engines.models import TeamModel
+from marft.run.rollout import rollout
 from marft.team import build_team
 
 

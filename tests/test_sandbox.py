@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from marft.sandbox import Limits, Sandbox
+from marft.envs.sandbox import Limits, Sandbox
 
 ROOT = tempfile.mkdtemp(prefix="marft-sandbox-tests-")  # only this file's sandboxes live here
 SB = Sandbox(Limits(wall_s=3, cpu_s=3, memory_mb=512, processes=16, output_bytes=100_000), workers=2, tmp_root=ROOT)
@@ -173,7 +173,7 @@ print(opened)"""
 
 
 def test_missing_protections_are_named():
-    from marft.sandbox import missing_protections
+    from marft.envs.sandbox import missing_protections
 
     full = ["pids cgroup: at most 16 processes", "network namespace", "pid namespace",
             "landlock: writes only in the working directory"]

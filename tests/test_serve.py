@@ -1,4 +1,4 @@
-"""The team behind an OpenAI-compatible endpoint (marft/serve.py), through the real `openai`
+"""The team behind an OpenAI-compatible endpoint (marft/serving/serve.py), through the real `openai`
 client and plain HTTP: agents as models, every call recorded as the learner needs it, replies
 equal to the engine's own for the same chats and seed, batching, and OpenAI-style 4xx errors that
 leave the endpoint serving."""
@@ -14,10 +14,10 @@ import torch
 openai = pytest.importorskip("openai")
 
 from marft.api import prepare  # noqa: E402
-from marft.config import load_config  # noqa: E402
+from marft.run.config import load_config  # noqa: E402
 from marft.engines import make_engine  # noqa: E402
-from marft.generation import Sampling  # noqa: E402
-from marft.serve import serve_team  # noqa: E402
+from marft.engines.generation import Sampling  # noqa: E402
+from marft.serving.serve import serve_team  # noqa: E402
 
 SAMPLING = Sampling(temperature=1.0, max_new_tokens=6)
 
@@ -195,7 +195,7 @@ def test_a_stop_string_cuts_the_reply_before_it_and_the_recorded_call_after_the_
 def test_a_stop_string_split_across_byte_tokens_ends_the_reply_at_the_token_completing_it(team_parts):
     # "é" is two byte-level tokens, neither of which decodes to it alone (the check decoded each token
     # on its own, and missed it)
-    from marft.generation import _stop_string_hit
+    from marft.engines.generation import _stop_string_hit
 
     tok = team_parts[1].for_agent("solver")[1]
     ids = tok.encode("The answer é is 19.", add_special_tokens=False)
@@ -206,7 +206,7 @@ def test_a_stop_string_split_across_byte_tokens_ends_the_reply_at_the_token_comp
             ends.append(k)
     first = ends[0]
     assert "é" in tok.decode(ids[:first + 1]) and "é" not in tok.decode(ids[:first])
-    from marft.serve import _before_stop
+    from marft.serving.serve import _before_stop
     assert _before_stop("The answer é is 19.", ("is", "é")) == "The answer " and _before_stop("ab", ("c",)) == "ab"
 
 
@@ -277,7 +277,7 @@ def test_marft_serve_command_serves_until_interrupted(tiny_model_dir, tmp_path):
                                       ("no-such-host.invalid", "not a valid address of this machine")])
 def test_a_host_that_is_not_this_machines_is_one_line(team_parts, host, why):
     from marft.errors import UserError
-    from marft.serve import TeamServer
+    from marft.serving.serve import TeamServer
 
     team, models, engine = team_parts
     server = serve_team(models, team, engine, SAMPLING, host=host, port=8000)
@@ -304,7 +304,7 @@ def test_marft_serve_with_a_bad_host_is_one_line(tiny_model_dir, tmp_path):
 def test_urls_bracket_an_ipv6_host():
     from types import SimpleNamespace
 
-    from marft.serve import TeamServer
+    from marft.serving.serve import TeamServer
     origin = TeamServer._origin.fget
     assert origin(SimpleNamespace(host="::1", port=8000)) == "http://[::1]:8000"
     assert origin(SimpleNamespace(host="127.0.0.1", port=8000)) == "http://127.0.0.1:8000"
@@ -316,7 +316,7 @@ def test_a_runs_rollouts_sample_at_the_runs_temperature_whatever_a_request_asks(
     from types import SimpleNamespace
 
     import marft.errors
-    from marft.serve import TeamServer
+    from marft.serving.serve import TeamServer
     monkeypatch.setattr(marft.errors, "WARNED", set())  # the warning is once per process
     stub = lambda fixed: SimpleNamespace(team={"solver": SimpleNamespace(max_new_tokens=0)},  # noqa: E731
                                          sampling=Sampling(1.0, 1.0, 0, 16), fixed_sampling=fixed)
@@ -334,7 +334,7 @@ def test_the_sampling_warning_is_said_once_per_run_not_once_per_rollout_or_setti
     from types import SimpleNamespace
 
     import marft.errors
-    from marft.serve import TeamServer
+    from marft.serving.serve import TeamServer
     monkeypatch.setattr(marft.errors, "WARNED", set())
     for run_temperature in (0.7, 0.6, 0.7, 0.6):  # rollout, evaluation, rollout, evaluation
         stub = SimpleNamespace(team={"solver": SimpleNamespace(max_new_tokens=0)},
@@ -354,7 +354,7 @@ def test_a_wrong_key_is_told_where_the_key_is(server):
     assert "which only the workflow's client holds" in message and "client.api_key, client.base_url" in message
 
 
-# ---------------------------------------------------------------- tool calling (marft/tool_calls.py)
+# ---------------------------------------------------------------- tool calling (marft/serving/tool_calls.py)
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two numbers.",
                                         "parameters": {"type": "object", "properties": {"a": {"type": "number"},
                                                                                         "b": {"type": "number"}}}}}
@@ -387,7 +387,7 @@ def scripted(team_parts):
 
 
 def test_tool_calls_are_parsed_from_the_reply_and_other_blocks_stay_text():
-    from marft.tool_calls import parse
+    from marft.serving.tool_calls import parse
 
     content, calls = parse(CALL_TEXT + '\n<tool_call>{"name": "mul", "arguments": {}}</tool_call>'
                            '\n<tool_call>{not json}</tool_call>\n<tool_call>{"name": "add"}</tool_call>', {"add"})
@@ -405,9 +405,9 @@ def test_tool_calls_are_parsed_from_the_reply_and_other_blocks_stay_text():
 
 
 def test_tools_and_tool_turns_are_written_as_text_for_a_template_without_tools(team_parts):
-    from marft.generation import _render
-    from marft.serve import _messages, _tools
-    from marft.tool_calls import chat as tool_chat
+    from marft.engines.generation import _render
+    from marft.serving.serve import _messages, _tools
+    from marft.serving.tool_calls import chat as tool_chat
 
     tok = team_parts[1].for_agent("solver")[1]
     assert "tools" not in tok.chat_template
@@ -487,7 +487,7 @@ def test_a_reply_with_a_tool_call_reaches_the_openai_client_and_the_result_comes
     assert '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>' in prompt
     assert "<tool_response>\n3\n</tool_response>" in prompt and second.messages[3]["tool_call_id"] == tool_call.id
     # the prompt recorded is the one the engine was given
-    from marft.generation import encode_chats
+    from marft.engines.generation import encode_chats
     ids, mask = encode_chats(tok, [engine.chats[-1]], "cpu")
     assert second.prompt_ids == ids[0][mask[0]].tolist()
     # tool_choice none: no tools shown, the reply's block is text; no tools: the same
@@ -500,7 +500,7 @@ def test_a_reply_with_a_tool_call_reaches_the_openai_client_and_the_result_comes
 
 def test_a_request_without_tools_renders_as_before(server, team_parts):
     tok = team_parts[1].for_agent("solver")[1]
-    from marft.generation import encode_chats
+    from marft.engines.generation import encode_chats
     ids, mask = encode_chats(tok, [chat("Calculate 1 + 2.")], "cpu")
     for i, fields in enumerate(({}, {"tools": None, "tool_choice": None}, {"tool_choice": "auto"}, {"tools": []})):
         ok, reply = _post(server, {"model": "solver", "messages": chat("Calculate 1 + 2."), **fields},
@@ -576,12 +576,12 @@ def test_a_json_object_format_with_a_stray_json_schema_key_is_a_json_object(scri
 
 def test_json_nested_past_what_the_server_can_walk_is_a_400(server, monkeypatch):
     # nesting json.loads accepts can still overflow the stack later (the tools' listing, an error's repr)
-    import marft.serve
+    import marft.serving.serve
 
     def overflow(*args, **kwargs):
         raise RecursionError("maximum recursion depth exceeded while encoding a JSON object")
 
-    monkeypatch.setattr(marft.serve.tool_calls, "chat", overflow)
+    monkeypatch.setattr(marft.serving.serve.tool_calls, "chat", overflow)
     got, reply = _post(server, _bad(tools=[ADD]))
     assert got == 400 and "nested too deeply" in reply["error"]["message"], reply  # was a 500
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from marft.checkpoints import latest_checkpoint
+from marft.run.checkpoints import latest_checkpoint
 from marft.cli import main
 from marft.errors import UserError
-from marft.sweep import load_sweep, run_sweep
+from marft.experiments.sweep import load_sweep, run_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,11 +78,11 @@ grid:
     assert first.overrides == ["model.init_adapters={planner: duo/algorithm-marft__seed-0/adapters/planner}",
                                "train.algorithm=marft", "seed=0"]
     assert last.overrides[-2:] == ["model.init_adapters={team: duo/algorithm-ps__seed-3/team}", "seed=3"]
-    from marft.sweep import _fill
+    from marft.experiments.sweep import _fill
     import yaml
     filled = _fill(["model.init_adapters={a: 'x/${seed}/a'}", "output_note=${seed}"], {"seed": "it's"}, "g")
     assert yaml.safe_load(filled[0].partition("=")[2]) == {"a": "x/it's/a"} and filled[1] == "output_note=it's"
-    from marft.config import load_config  # the grid's value comes later: it is the one in force
+    from marft.run.config import load_config  # the grid's value comes later: it is the one in force
     assert load_config(sweep.base, [*sweep.common, *last.overrides]).model.init_adapters == {"team": "duo/algorithm-ps__seed-3/team"}
 
 
@@ -350,7 +350,7 @@ def test_missing_sweep_file_and_dry_run(tmp_path, capsys):
 
 
 def test_command_line_overrides_parallel_and_threads(tmp_path, monkeypatch):
-    import marft.sweep as sweep_module
+    import marft.experiments.sweep as sweep_module
 
     path = write(tmp_path / "s.yaml", "output_dir: {}\nbase: {}\nparallel: 4\ngrid: {{seed: [0]}}\n".format(
         tmp_path / "out", ROOT / "configs/duo_arithmetic.yaml"))

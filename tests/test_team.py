@@ -1,7 +1,7 @@
 """The team: graphs, acting order, adapters, and what each agent's prompt contains."""
 import pytest
 
-from marft.config import load_config
+from marft.run.config import load_config
 from marft.team import agent_messages, build_team
 
 
@@ -87,7 +87,7 @@ def test_reply_limits_by_agent_name_with_a_preset():
 
 
 def test_team_without_an_agent():
-    from marft.config import load_config
+    from marft.run.config import load_config
     from marft.errors import UserError
     from marft.team import build_team
 

@@ -1,5 +1,5 @@
 """``model.name: tiny``: a tiny random chat model marft builds itself, offline, once per cache
-(marft/models.py: build_tiny_model, tiny_model), for smoke tests of marft train, eval and env-check."""
+(marft/engines/models.py: build_tiny_model, tiny_model), for smoke tests of marft train, eval and env-check."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from marft.cli import main
-from marft.models import build_tiny_model, resolve_model
+from marft.engines.models import build_tiny_model, resolve_model
 
 
 def test_tiny_is_built_once_into_the_cache_and_leaves_the_random_state_alone(tmp_path):

@@ -1,4 +1,4 @@
-"""marft.trackers: TensorBoard, W&B (offline mode, read back from its .wandb file) and MLflow (a
+"""marft.run.trackers: TensorBoard, W&B (offline mode, read back from its .wandb file) and MLflow (a
 sqlite and a file: store in tmp_path, read back with MlflowClient). No network, no model."""
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from marft.config import load_config
+from marft.run.config import load_config
 from marft.errors import UserError
-from marft.trackers import Trackers, eval_scalars, flatten_config, mlflow_key
+from marft.run.trackers import Trackers, eval_scalars, flatten_config, mlflow_key
 
 ERRORS_MD = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 RESULT = {

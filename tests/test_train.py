@@ -11,9 +11,9 @@ import torch
 
 from marft.api import prepare
 from marft.cli import main
-from marft.config import load_config
-from marft.checkpoints import latest_checkpoint
-from marft.trainer import Trainer
+from marft.run.config import load_config
+from marft.run.checkpoints import latest_checkpoint
+from marft.run.trainer import Trainer
 
 @pytest.fixture
 def vowel_overrides(tiny_model_dir, vowel_env_path, tmp_path):

@@ -134,6 +134,13 @@ def cpu_key() -> str:
     return f"{name} [{' '.join(kinds)}] threads=1"
 
 
+# the sizes of what a Ray run pickles (distributed/bytes_*) count the module paths of the classes
+# pickled (marft.learner.PolicyBatch became marft.run.learner.PolicyBatch) and vary by a few bytes
+# with pickle's memo from one process to another: not behaviour, left out
+def _unpickled(metrics: list[dict]) -> list[dict]:
+    return [{k: v for k, v in m.items() if not k.startswith("distributed/bytes_")} for m in metrics]
+
+
 def _recorded() -> dict:
     if not RECORD.is_file():
         return {}
@@ -149,7 +156,7 @@ def test_the_outputs_are_those_recorded_before_the_redesign(name, tmp_path, monk
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
     got = train(name, tmp_path / "run")
     want = recorded[name]
-    assert got["metrics"] == want["metrics"]
+    assert _unpickled(got["metrics"]) == _unpickled(want["metrics"])
     assert got["evaluations"] == want["evaluations"]
     assert got["checkpoints"] == want["checkpoints"]
 
@@ -168,7 +175,8 @@ if __name__ == "__main__":  # python tests/test_unchanged.py --record [NAME ...]
             out = train(n, Path(tmp) / "run")
         if "--record" in sys.argv:
             mine[n] = out
-        elif mine.get(n) != out:
+        elif n not in mine or (_unpickled(mine[n]["metrics"]), mine[n]["evaluations"], mine[n]["checkpoints"]) != (
+                _unpickled(out["metrics"]), out["evaluations"], out["checkpoints"]):
             print(f"{n}: DIFFERS from the record")
         else:
             print(f"{n}: same as recorded")

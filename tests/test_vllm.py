@@ -14,11 +14,11 @@ import torch
 
 from conftest import build_tiny_model
 from test_rollout import EchoEnv as Echo  # Problem i is "Compute i + 1."
-from marft.config import load_config
+from marft.run.config import load_config
 from marft.engines.hf import HFEngine
-from marft.generation import Sampling
-from marft.models import TeamModel
-from marft.rollout import rollout
+from marft.engines.generation import Sampling
+from marft.engines.models import TeamModel
+from marft.run.rollout import rollout
 from marft.team import build_team
 
 pytestmark = [
@@ -128,7 +128,7 @@ def test_asynchronous_rollout_plays_the_barrier_rollouts_episodes(setup):
 def test_training_with_the_vllm_engine_serves_every_update(setup, tmp_path):
     """Two iterations of MARFT with the engine: each policy update reaches the engine as a new
     adapter version, and the learner's recomputed behaviour log-probabilities match the engine's."""
-    from marft.trainer import Trainer
+    from marft.run.trainer import Trainer
 
     team, models, engine = setup
     cfg = load_config(None, ["model.dtype=float32", "model.device=cpu", "rollout.episodes=4", "rollout.max_new_tokens=8",
@@ -168,10 +168,10 @@ def test_marft_eval_on_the_vllm_engine_scores_as_the_hf_engine(setup, tmp_path, 
 
 
 def test_the_endpoint_serves_the_team_through_the_vllm_engine(setup):
-    """marft/serve.py on the vLLM engine: each agent answers with its own adapter, as the engine
+    """marft/serving/serve.py on the vLLM engine: each agent answers with its own adapter, as the engine
     itself replies (greedy), and the call is recorded with its token ids and log-probabilities."""
     openai = pytest.importorskip("openai")
-    from marft.serve import serve_team
+    from marft.serving.serve import serve_team
 
     team, models, engine = setup
     with serve_team(models, team, engine, GREEDY) as server:
@@ -197,11 +197,11 @@ def test_the_endpoint_serves_the_team_through_the_vllm_engine(setup):
 
 
 def test_a_workflow_plays_on_the_vllm_engine_as_on_the_hf_engine(setup):
-    """A workflow's rollout (marft/workflow.py: the endpoint's batches generated in the calling
+    """A workflow's rollout (marft/serving/workflow.py: the endpoint's batches generated in the calling
     thread) on the vLLM engine gives the HF engine's replies and rewards, greedy."""
     pytest.importorskip("openai")
-    from marft.serve import serve_team
-    from marft.workflow import play_workflows
+    from marft.serving.serve import serve_team
+    from marft.serving.workflow import play_workflows
 
     team, models, engine = setup
 

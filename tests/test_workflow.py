@@ -1,4 +1,4 @@
-"""Agent programs as episodes (marft/workflow.py): the default duo written as a plain `openai`-client
+"""Agent programs as episodes (marft/serving/workflow.py): the default duo written as a plain `openai`-client
 workflow, served through the real HTTP endpoint, gives the same rollout as the built-in team
 (the same prompt and reply token ids, log-probabilities, critic states and rewards); a workflow the
 config cannot express (parallel calls, then a loop) becomes micro-steps in call order; failing,
@@ -14,10 +14,10 @@ pytest.importorskip("openai")
 
 from test_rollout import EchoEnv, make, perturb  # noqa: E402
 from marft.engines.hf import HFEngine  # noqa: E402
-from marft.generation import Sampling  # noqa: E402
-from marft.rollout import rollout  # noqa: E402
-from marft.serve import serve_team  # noqa: E402
-from marft.workflow import play_workflows  # noqa: E402
+from marft.engines.generation import Sampling  # noqa: E402
+from marft.run.rollout import rollout  # noqa: E402
+from marft.serving.serve import serve_team  # noqa: E402
+from marft.serving.workflow import play_workflows  # noqa: E402
 
 SAMPLING = Sampling(temperature=1.0, max_new_tokens=8)
 
@@ -184,7 +184,7 @@ def test_no_port_is_left_open_after_a_run(stop, tiny_overrides, tmp_path, monkey
     """Every endpoint a workflow run opened (one per rollout) is closed once the run is over, also
     when it was stopped in the middle (what Ctrl-C and SIGTERM do: MarftTrainer.stop)."""
     import marft
-    from marft.serve import TeamServer
+    from marft.serving.serve import TeamServer
 
     ports, start = [], TeamServer.start
 
@@ -264,7 +264,7 @@ def test_the_duo_as_a_workflow_trains_as_the_built_in_duo(name, tiny_model_dir, 
 
     from test_api import comparable
     from test_dataset_task import REWARDS, records, write_jsonl
-    from marft.checkpoints import latest_checkpoint
+    from marft.run.checkpoints import latest_checkpoint
     from marft.cli import main
 
     data = write_jsonl(tmp_path / "sums.jsonl", records(20))
@@ -333,7 +333,7 @@ def test_a_workflow_with_the_wrong_signature_is_one_line(source, signature, tiny
 
 
 def test_workflows_that_take_problem_and_client_pass_the_check():
-    from marft.workflow import check_workflow
+    from marft.envs.workflow import check_workflow
 
     def default(problem, client, tries=3): ...
     def star(*args): ...
@@ -384,7 +384,7 @@ def test_the_langgraph_example_trains_as_the_plain_openai_example(tiny_overrides
     examples/duo_workflow.py, so marft trains it the same: metrics of every iteration and weights."""
     pytest.importorskip("langgraph", reason="LangGraph is not installed (pip install 'marft[langgraph]')")
     from test_api import comparable
-    from marft.checkpoints import latest_checkpoint
+    from marft.run.checkpoints import latest_checkpoint
     from marft.cli import main
 
     runs = {}
@@ -425,7 +425,7 @@ def test_a_workflow_the_config_cannot_express_trains_with_every_algorithm(algori
     import math
 
     from test_dataset_task import REWARDS, records, write_jsonl
-    from marft.checkpoints import latest_checkpoint
+    from marft.run.checkpoints import latest_checkpoint
     from marft.cli import main
 
     data = write_jsonl(tmp_path / "sums.jsonl", records(20))
@@ -452,8 +452,8 @@ def test_a_workflow_on_a_ray_rollout_worker_repeats_the_in_process_run(tiny_over
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'marft[ray]')")
     from test_mixture import comparable_metrics, ray_metrics
     from marft.api import prepare
-    from marft.config import load_config
-    from marft.trainer import Trainer
+    from marft.run.config import load_config
+    from marft.run.trainer import Trainer
 
     over = [*tiny_overrides, "rollout.episodes=4", "train.minibatch_size=4", "train.micro_batch_size=2", "threads=1"]
     cfg = load_config("configs/workflow_duo.yaml", over)
@@ -499,8 +499,8 @@ def test_a_workflow_reward_may_give_each_agent_its_own(tiny_overrides, tmp_path)
     """task.reward returning {agent: number}: each agent's reward at the episode's last step (the
     team reward their mean); a mapping naming an agent the team lacks fails that episode alone."""
     from marft.api import prepare
-    from marft.config import load_config
-    from marft.trainer import Trainer
+    from marft.run.config import load_config
+    from marft.run.trainer import Trainer
 
     (tmp_path / "per_agent.py").write_text(
         "def split(answer, record):\n"
@@ -511,7 +511,7 @@ def test_a_workflow_reward_may_give_each_agent_its_own(tiny_overrides, tmp_path)
                                                     f"task.reward={tmp_path / 'per_agent.py'}:split"])
     tr = Trainer(cfg, *prepare(cfg), log=lambda m: None)
     resets = [(0, {"split": "train", "index": i}) for i in range(4)]
-    out = __import__("marft.trainer", fromlist=["play"]).play(cfg, tr.team, tr.engine, tr.make_env, resets, 0)
+    out = __import__("marft.run.trainer", fromlist=["play"]).play(cfg, tr.team, tr.engine, tr.make_env, resets, 0)
     assert out.failed.tolist() == [False, True, False, False]  # record 1's answer is "2": it names a "critic"
     assert "rewards for ['critic']" in out.infos[1]["error"]
     kept = ~out.failed
@@ -519,7 +519,7 @@ def test_a_workflow_reward_may_give_each_agent_its_own(tiny_overrides, tmp_path)
 
 
 def test_a_workflows_return_value_is_the_graded_text():
-    from marft.workflow import answer_text
+    from marft.envs.workflow import answer_text
     assert answer_text("The answer is 7") == "The answer is 7"
     assert answer_text(42) == "42"
     assert answer_text(None) == ""  # nothing returned: no answer (it was graded as the text "None")

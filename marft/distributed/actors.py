@@ -1,6 +1,6 @@
 """The two kinds of Ray actor, as plain classes (:mod:`marft.distributed.driver` wraps them with
 ``ray.remote``): a rollout worker plays a shard of an iteration's episodes; a learner updates one
-adapter with :class:`marft.learner.AdapterLearner` (or, with ``cluster.learners_per_adapter`` > 1,
+adapter with :class:`marft.run.learner.AdapterLearner` (or, with ``cluster.learners_per_adapter`` > 1,
 its share of each minibatch, gradients summed over torch.distributed). Neither imports Ray: they
 are tested and used as ordinary objects.
 
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from ..learner import AdapterLearner, metric_prefix
+from ..run.learner import AdapterLearner, metric_prefix
 
 
 def _build(cfg, threads: int, with_env: bool, cwd: str = ""):
@@ -26,8 +26,8 @@ def _build(cfg, threads: int, with_env: bool, cwd: str = ""):
     the driver's working directory, where this machine has it (one machine, a shared file system)."""
     if cwd and os.path.isdir(cwd):
         os.chdir(cwd)
-    from ..assemble import _quiet_libraries, prepare
-    from ..models import TeamModel
+    from ..run.assemble import _quiet_libraries, prepare
+    from ..engines.models import TeamModel
     from ..team import build_team
 
     cfg = dataclasses.replace(cfg, threads=threads)
@@ -69,7 +69,7 @@ class RolloutWorker:
 
     def play(self, resets: list, seed: int) -> tuple:
         """(the shard's Rollout, its size in bytes as pickled, which is what Ray moves)."""
-        from ..trainer import play
+        from ..run.trainer import play
 
         out = play(self.cfg, self.team, self.engine, self.make_env, resets, seed)
         return out, len(pickle.dumps(out))
@@ -83,7 +83,7 @@ class RolloutWorker:
 
 class Learner:
     """One adapter's learner (one of ``world`` data-parallel ones): an
-    :class:`marft.learner.AdapterLearner` over this process's own copy of the model, updating on the
+    :class:`marft.run.learner.AdapterLearner` over this process's own copy of the model, updating on the
     jobs the driver sends (:func:`marft.distributed.driver._job`)."""
 
     def __init__(self, cfg, adapter: str, threads: int, rank: int = 0, world: int = 1, cwd: str = ""):
@@ -125,8 +125,8 @@ class Learner:
             self.learner.load_optimizer(opt_state)
 
     def update(self, job: dict) -> dict:
-        """One policy update. ``job``: iteration, batch (a :class:`marft.learner.PolicyBatch` of this
-        adapter's turns only), n_adapters. Returns the :class:`marft.learner.UpdateStats` (whose
+        """One policy update. ``job``: iteration, batch (a :class:`marft.run.learner.PolicyBatch` of this
+        adapter's turns only), n_adapters. Returns the :class:`marft.run.learner.UpdateStats` (whose
         outcomes the driver counts, in adapter order, against ``train.max_bad_updates``), the
         metrics, the warnings logged, and (rank 0) the new adapter weights."""
         t0 = time.perf_counter()

@@ -2,13 +2,13 @@
 
 1. rollout: the iteration's episodes (their reset seeds) are split into consecutive shards, one per
    rollout worker; each worker plays its shard and sends back the turns' tensors; the driver merges
-   them (:func:`marft.rollout.merge_rollouts`). A worker that dies is replaced, handed the current
+   them (:func:`marft.run.rollout.merge_rollouts`). A worker that dies is replaced, handed the current
    adapters, and its shard replayed with the same seeds (``cluster.max_worker_restarts`` per run).
 2-5. rewards, values, advantages, critic update: in the driver, as in one process.
 6. policy update: every random choice of the update is made here (:meth:`Trainer._plan_policy`);
    each trained adapter's learner(s) get only that adapter's turns and advantages (a
-   :class:`marft.learner.PolicyBatch`), all adapters at once; each runs the update of
-   :class:`marft.learner.AdapterLearner` and sends back its :class:`marft.learner.UpdateStats`
+   :class:`marft.run.learner.PolicyBatch`), all adapters at once; each runs the update of
+   :class:`marft.run.learner.AdapterLearner` and sends back its :class:`marft.run.learner.UpdateStats`
    and its new weights, which go to every rollout worker (one object in Ray's store, read by all)
    and into the driver's copy (checkpoints, evaluation). The updates' outcomes are counted in
    adapter order, as one process counts them (``train.max_bad_updates``).
@@ -26,10 +26,10 @@ import pickle
 import time
 
 from ..errors import UserError
-from ..learner import PolicyBatch
+from ..run.learner import PolicyBatch
 from ..turns import Rollout, merge_rollouts
-from ..checkpoints import latest_checkpoint
-from ..trainer import Trainer, _gap_stat, _seed
+from ..run.checkpoints import latest_checkpoint
+from ..run.trainer import Trainer, _gap_stat, _seed
 from .actors import Learner, RolloutWorker
 
 
@@ -326,7 +326,7 @@ class DistributedTrainer(Trainer):
 def _job(out: Rollout, adv: list, rows: list, orders: list, iteration: int, n_adapters: int) -> dict:
     """What one adapter's learner needs: the :class:`PolicyBatch` of its rows (that adapter's turns
     only, indices renumbered), the iteration, and how many adapters the update has (for the
-    metrics' names, :func:`marft.learner.metric_prefix`)."""
+    metrics' names, :func:`marft.run.learner.metric_prefix`)."""
     return {"iteration": iteration, "batch": PolicyBatch.of(out.turns, adv, rows, orders), "n_adapters": n_adapters}
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..generation import Generated, Sampling, needed_work
+from .generation import Generated, Sampling, needed_work
 
 
 @dataclass
@@ -54,7 +54,7 @@ class Engine:
         raise NotImplementedError(f"the {self.name} engine has no asynchronous schedule")
 
     def flops(self, agent: str, out: Generated) -> float:
-        """FLOPs the replies needed (:mod:`marft.flops`), for MFU; 0 when unknown."""
+        """FLOPs the replies needed (:mod:`marft.engines.flops`), for MFU; 0 when unknown."""
         return 0.0
 
     def before_update(self) -> None:
@@ -69,7 +69,7 @@ class Engine:
 
 def pack(replies: list[Reply], pad_id: int) -> Generated:
     """Replies as one batch: prompts left-padded, responses right-padded (the shapes of
-    :class:`marft.generation.Generated`, which :class:`marft.rollout.Turn` is built from)."""
+    :class:`marft.engines.generation.Generated`, which :class:`marft.run.rollout.Turn` is built from)."""
     B = len(replies)
     P = max((len(r.prompt_ids) for r in replies), default=0)
     R = max((len(r.response_ids) for r in replies), default=0)

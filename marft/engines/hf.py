@@ -1,13 +1,13 @@
-"""The HF engine: marft's own batched sampling loop (:func:`marft.generation.generate`) on the
+"""The HF engine: marft's own batched sampling loop (:func:`marft.engines.generation.generate`) on the
 learner's PEFT model, with the acting agent's adapter switched on. It shares the learner's weights,
 so an update needs no hand-over. Barrier schedule only: one batched call per agent turn."""
 from __future__ import annotations
 
 import torch
 
-from ..flops import model_shape
-from ..generation import Generated, Sampling, generate
-from ..models import TeamModel, stop_token_ids
+from .flops import model_shape
+from .generation import Generated, Sampling, generate
+from .models import TeamModel, stop_token_ids
 from .base import Engine
 
 

@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
-from ..flops import model_shape
-from ..generation import Generated, Sampling, _render
-from ..models import TeamModel, resolve_model, stop_token_ids
+from .flops import model_shape
+from .generation import Generated, Sampling, _render
+from .models import TeamModel, resolve_model, stop_token_ids
 from .base import Engine, Reply, pack
 
 CPU_BATCHED_TOKENS = 65536

@@ -10,6 +10,12 @@
   a local file or folder) and a reward function ``reward(reply, record) -> float``.
 - ``custom``: the user's class, named ``"package.module:Class"`` or ``"path/to/file.py:Class"``;
   run ``marft env-check`` on it (:func:`~marft.envs.check.check_env`).
+- ``workflow`` (:class:`~marft.envs.workflow.WorkflowEnv`): a data set task played by the user's
+  agent program (run by :mod:`marft.serving.workflow`).
+
+Code runs in :mod:`.sandbox`. May import: :mod:`marft.errors`, :mod:`marft.team`; never the engines,
+the run or the front doors. A new task goes here: a :class:`TurnBasedEnv` subclass and a kind in
+:func:`make_env_factory` (or, for a user's own, ``task.kind: custom``).
 """
 from __future__ import annotations
 
@@ -87,7 +93,7 @@ def make_env_factory(kind: str, agents: list[str], answering: list[str], horizon
         if kind == "dataset":
             from marft.envs.dataset import DatasetEnv as cls
         else:
-            from marft.workflow import WorkflowEnv as cls
+            from marft.envs.workflow import WorkflowEnv as cls
         kwargs = {**(dataset or {}), **options}
     elif kind == "custom":
         from marft.envs.check import load_env_class

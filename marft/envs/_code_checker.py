@@ -44,7 +44,7 @@ its iteration order usually, not always, matches the sender's. And the checker i
 from the program as the sandbox makes it: the program cannot read or write this process's memory
 or file descriptors because Landlock confines it to its own domain (no ptrace of, nor ``/proc``
 access to, processes outside it) and it runs in its own PID and user namespace; on a machine
-where :func:`marft.sandbox.Sandbox.protections` lacks those layers, a program running as the same
+where :func:`marft.envs.sandbox.Sandbox.protections` lacks those layers, a program running as the same
 user could reach this process, and the trainer too.
 """
 import builtins

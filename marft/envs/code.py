@@ -18,7 +18,7 @@ an unterminated last fence included), else bare code; for HumanEval a body witho
 completed with the prompt. In a team, an answering agent whose reply holds no code (a tester that
 approves) keeps the previous answering agent's program; the graded answer is the last one's.
 
-**Grading.** The program runs in :mod:`marft.sandbox` under a harness (``_code_harness.py``) that
+**Grading.** The program runs in :mod:`marft.envs.sandbox` under a harness (``_code_harness.py``) that
 only answers calls; the tests run outside the sandbox, in a checker process
 (``_code_checker.py``), which calls the program's functions through a pipe, gets their return
 values back as plain data (``_code_values.py``: never pickle) and makes every comparison, every
@@ -49,7 +49,7 @@ from marft.envs import _code_checker, _code_values, sources
 from marft.envs.base import Grade, Problem, TurnBasedEnv
 from marft.envs.dataset import hub_records
 from marft.errors import UserError
-from marft.sandbox import Limits, Sandbox, missing_protections
+from marft.envs.sandbox import Limits, Sandbox, missing_protections
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 HARNESS, CHECKER, VALUES = (os.path.join(_HERE, f) for f in ("_code_harness.py", "_code_checker.py", "_code_values.py"))
@@ -364,7 +364,7 @@ class CodeEnv(TurnBasedEnv):
             missing = missing_protections(_SANDBOXES[key].protections())
             if missing:
                 print(f"marft: warning: the code sandbox runs without {', '.join(missing)} on this machine "
-                      "(see marft/sandbox.py)", file=sys.stderr)
+                      "(see marft/envs/sandbox.py)", file=sys.stderr)
         self.sandbox = _SANDBOXES[key]
 
     def num_problems(self, split: str) -> int | None:

@@ -125,7 +125,7 @@ def _check_hub_reachable(repo_id: str, hint: str = "") -> None:
     """Fail at once when the Hub cannot be reached (``datasets`` would retry for about 25 s, printing
     a line per retry); offline mode is left to ``datasets``, which then reads its cache. ``hint``
     says how to do without the Hub (default: the dataset task's ``task.dataset=path``)."""
-    from marft.models import hub_unreachable
+    from marft.errors import hub_unreachable
 
     endpoint, why = hub_unreachable()
     if why:

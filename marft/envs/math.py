@@ -16,7 +16,7 @@ number 3.
 Timeouts: math-verify guards parsing and comparison (sympy can take forever on a reply such as
 ``\\boxed{9^{9^{9^9}}}``) with ``signal.alarm``, which only works in the main thread and raises
 there otherwise. We pass a timeout of ``TIMEOUT_S`` seconds when grading runs in the main thread and
-no timeout in any other thread. A rollout steps environments in worker threads (marft/rollout.py),
+no timeout in any other thread. A rollout steps environments in worker threads (marft/run/rollout.py),
 where ``rollout.env_timeout_s`` bounds a grading instead: past it the episode fails and the grading
 is stopped. Note that the alarm also cancels any SIGALRM the caller has scheduled.
 """

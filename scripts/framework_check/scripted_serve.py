@@ -8,10 +8,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from marft.api import prepare  # noqa: E402
-from marft.config import load_config  # noqa: E402
+from marft.run.config import load_config  # noqa: E402
 from marft.engines import make_engine  # noqa: E402
-from marft.generation import Sampling  # noqa: E402
-from marft.serve import serve_team  # noqa: E402
+from marft.engines.generation import Sampling  # noqa: E402
+from marft.serving.serve import serve_team  # noqa: E402
 
 CALL = 'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 FINAL = "The answer is 5."

@@ -1,7 +1,7 @@
 """torch.compile in marft, both switches off by default until a GPU run has measured them (docs/gpu.md):
 
 - ``rollout.compile``: the HF engine's static decode step, the whole model call, compiled once per
-  base model and acting adapter (:func:`marft.generation._compiled_step`, inside the CUDA graph);
+  base model and acting adapter (:func:`marft.engines.generation._compiled_step`, inside the CUDA graph);
 - ``train.compile``: the learner's passes (forward + backward, behaviour and reference
   log-probabilities) with each decoder layer compiled on its own (:func:`compiled_layers`:
   "regional" compilation: the layers share their code, so one compilation serves them all, and the
@@ -47,7 +47,7 @@ def configure() -> None:
 
 def warn_failed(what: str, switch: str, error: BaseException) -> None:
     """One warning per process and ``what``: it could not be compiled and runs as it is."""
-    from .errors import warn_once
+    from ..errors import warn_once
 
     first = str(error).strip().splitlines()[0][:160] if str(error).strip() else ""
     warn_once(f"marft: {switch}: {what} could not be compiled ({type(error).__name__}: {first}); it runs without torch.compile")

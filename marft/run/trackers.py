@@ -3,7 +3,7 @@ config), written beside ``metrics.jsonl``, which is always there and always comp
 
     trackers = Trackers(cfg, run_dir, resume_step)   # None for a new run
     trackers.log_metrics(metrics, step)              # one iteration's metrics dict
-    trackers.log_eval("final", result, step)         # a marft.evaluation.evaluate() result
+    trackers.log_eval("final", result, step)         # a marft.run.evaluation.evaluate() result
     trackers.close()
 
 Each tracker gets the same scalars: every int or float (not bool) value of an iteration's metrics
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoints import write_atomic
-from .errors import UserError
+from ..errors import UserError
 
 _MLFLOW_PARAM_VALUE_LIMIT = 500  # MLflow 1.x-2.2 stores at most 500 characters (later: 6000)
 _MLFLOW_KEY_LIMIT = 250

@@ -1,7 +1,7 @@
 """Run untrusted Python programs (the agents' code and its tests) with limits, many at a time.
 
 Every program runs in a fresh temporary directory, in its own process group, started by a small
-launcher (:mod:`marft._sandbox_boot`) that isolates itself before the program starts. What it
+launcher (:mod:`marft.envs._sandbox_boot`) that isolates itself before the program starts. What it
 protects against, where the kernel allows (``Sandbox().protections()`` lists what is active on
 this machine; code tasks print a warning naming any layer that is missing):
 

@@ -1,4 +1,4 @@
-"""One adapter's policy update, step 6 of an iteration (:mod:`marft.trainer`), on its own.
+"""One adapter's policy update, step 6 of an iteration (:mod:`marft.run.trainer`), on its own.
 
 An :class:`AdapterLearner` holds one adapter's AdamW. Given a :class:`PolicyBatch` (the turns it
 learns from, their normalised advantages, its rows and one shuffled order of them per epoch:
@@ -14,7 +14,7 @@ epochs and returns :class:`UpdateStats`:
    surrogate at action or token level, the entropy bonus and the KL penalty to the reference
    policy; gradient clipping, then one optimiser step; ``train.target_kl`` stops the epochs early;
 3. the statistics: means over the steps taken, each update's outcome, the skipped micro-batches,
-   the gap between rollout and learner log-probabilities, and the FLOPs (:mod:`marft.flops`) and
+   the gap between rollout and learner log-probabilities, and the FLOPs (:mod:`marft.engines.flops`) and
    seconds of the behaviour pass and of the learner.
 
 Numerical trouble never reaches the weights: a micro-batch with non-finite log-probabilities
@@ -27,7 +27,7 @@ Data-parallel learners of one adapter (``group``: a torch.distributed process gr
 :mod:`marft.distributed` sets up for ``cluster.learners_per_adapter`` > 1) each run every
 world-th micro-batch and sum gradients, statistics and behaviour log-probabilities by all-reduce.
 
-Both the in-process :class:`marft.trainer.Trainer` (one learner per adapter) and the Ray learner
+Both the in-process :class:`marft.run.trainer.Trainer` (one learner per adapter) and the Ray learner
 actor (:class:`marft.distributed.actors.Learner`) update through this class.
 """
 from __future__ import annotations
@@ -38,14 +38,15 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from . import flops, losses, packing
-from .algorithms import ALGORITHMS
-from .generation import _positions
+from ..engines import flops, packing
+from ..maths import losses
+from ..maths.algorithms import ALGORITHMS
+from ..engines.generation import _positions
 
 if TYPE_CHECKING:
     from .config import RunConfig
-    from .models import TeamModel
-    from .turns import Turn
+    from ..engines.models import TeamModel
+    from ..turns import Turn
 
 Pair = tuple[int, int]  # (turn index into PolicyBatch.turns, row of that turn)
 
@@ -79,7 +80,7 @@ class PolicyBatch:
         return cls([turns[i] for i in used], [advantages[i] for i in used], remap(rows), [remap(o) for o in orders])
 
     def packed_rows(self) -> list[list[packing.Row]]:
-        """Every turn's rows without padding (:func:`marft.packing.unpad`), made on first use."""
+        """Every turn's rows without padding (:func:`marft.engines.packing.unpad`), made on first use."""
         if self.packed is None:
             self.packed = [packing.unpad(t.prompt_ids, t.prompt_mask, t.response_ids, t.response_mask) for t in self.turns]
         return self.packed
@@ -104,7 +105,7 @@ class UpdateStats:
     outcomes: list[bool] = field(default_factory=list)  # each update in order: True stepped, False skipped
     micro_batches_skipped: int = 0
     logprob_gap: list[tuple[float, int]] = field(default_factory=list)  # (sum |rollout - learner|, tokens) per recomputed row
-    behaviour_flops: float = 0.0  # needed FLOPs (marft.packing.needed_work) of the behaviour pass
+    behaviour_flops: float = 0.0  # needed FLOPs (marft.engines.packing.needed_work) of the behaviour pass
     learner_flops: float = 0.0  # of the updates' forward + backward passes (and reference forwards)
     behaviour_s: float = 0.0  # seconds of the behaviour pass (the rest of the update is the learner's)
 
@@ -132,7 +133,7 @@ def metric_prefix(adapter: str, n_adapters: int) -> str:
 
 class AdapterLearner:
     """One adapter's policy update (see the module docstring), with its own AdamW
-    (:attr:`optimizer`, over :meth:`marft.models.TeamModel.adapter_parameters`).
+    (:attr:`optimizer`, over :meth:`marft.engines.models.TeamModel.adapter_parameters`).
 
     ``cfg``: the run's config, read when used (``train`` and ``rollout.temperature``); ``models``:
     the team's models holding ``adapter``; ``log``: where warnings go; ``group``: the
@@ -395,7 +396,7 @@ class AdapterLearner:
         return {k: (int(v) if k == "used" else float(v)) for k, v in zip(keys, vec.tolist())}
 
     def _needed(self, packed: list[list[packing.Row]], rows: list[Pair], backward: bool) -> float:
-        """FLOPs a pass over ``rows`` needs (:func:`marft.packing.needed_work`), forward or forward
+        """FLOPs a pass over ``rows`` needs (:func:`marft.engines.packing.needed_work`), forward or forward
         + backward, whichever path computes it."""
         if not rows:
             return 0.0

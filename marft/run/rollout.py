@@ -9,7 +9,7 @@ the batch's longest reply; ``async`` lets every episode advance on its own as it
 (engines with a request queue: vLLM), the asynchrony of a Flex-MG.
 
 Rollout only reads the team's current weights; a distributed worker wraps :func:`rollout` after
-loading adapter weights with :meth:`marft.models.TeamModel.load_adapter_state`.
+loading adapter weights with :meth:`marft.engines.models.TeamModel.load_adapter_state`.
 
 Environment faults fail one episode, not the run: an exception from ``reset``, ``observe``,
 ``state`` or ``step``, or a ``reset``/``step`` that takes longer than ``env_timeout_s``, ends that
@@ -29,13 +29,13 @@ from typing import Callable
 
 import torch
 
-from .envs.base import TeamEnv
-from .engines.base import Engine, Reply, pack
-from .engines.hf import HFEngine
-from .generation import Sampling
-from .models import TeamModel
-from .team import Team, agent_messages
-from .turns import Rollout, Turn
+from ..envs.base import TeamEnv
+from ..engines.base import Engine, Reply, pack
+from ..engines.hf import HFEngine
+from ..engines.generation import Sampling
+from ..engines.models import TeamModel
+from ..team import Team, agent_messages
+from ..turns import Rollout, Turn
 
 
 class EpisodeTimeout(BaseException):
@@ -111,7 +111,7 @@ def rollout(team: Team, engine: "Engine | TeamModel", make_env: Callable[[], Tea
     start = time.perf_counter()
     envs = [make_env() for _ in resets]
     if envs and getattr(envs[0], "workflow_fn", None) is not None:  # task.kind workflow: the user's program plays
-        from .workflow import workflow_rollout
+        from ..serving.workflow import workflow_rollout
 
         out = workflow_rollout(team, engine, envs, resets, sampling, generator, env_timeout_s)
         out.seconds = time.perf_counter() - start  # gen_seconds, gen_flops: the endpoint's generation

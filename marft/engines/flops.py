@@ -121,7 +121,7 @@ def peak_override() -> float:
     except ValueError:
         peak = -1.0
     if peak < 0 or peak != peak:
-        from .errors import UserError
+        from ..errors import UserError
 
         raise UserError(f"MARFT_PEAK_TFLOPS={value!r} is not a rate; give the device's peak in TFLOP/s (e.g. 989) or unset it")
     return peak * 1e12

@@ -9,7 +9,7 @@ Work saved (:func:`generate`; each can be switched off, none changes the replies
 that every prompt of a batch shares (system prompt, chat template, task preamble) is prefilled once;
 rows whose reply has ended leave the decode batch; the KV cache reserves room for the replies
 instead of growing by concatenation. :class:`Work` counts what the replies need and what was
-computed, for FLOP and MFU figures (:mod:`marft.flops`).
+computed, for FLOP and MFU figures (:mod:`marft.engines.flops`).
 
 On a GPU the decode loop is static instead (:class:`_StaticDecoder`): fixed shapes, no host
 synchronisation per token, the step replayed as a CUDA graph, marft's grouped-query attention for
@@ -31,7 +31,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from . import attention as grouped_attention
 from . import compiling
-from .errors import warn_once
+from ..errors import warn_once
 from .flops import causal_context
 
 # transformers >= 5.2x names the KV cache `cache`; earlier releases `past_key_values`
@@ -49,7 +49,7 @@ class Sampling:
 
 @dataclass
 class Work:
-    """Model work of a :func:`generate` call, in the terms of :meth:`marft.flops.ModelShape.forward`.
+    """Model work of a :func:`generate` call, in the terms of :meth:`marft.engines.flops.ModelShape.forward`.
 
     Prefill is the forward pass over the prompts, decode the forward passes over the generated
     tokens fed back one at a time. A token's context is the number of positions it attends to,
@@ -62,7 +62,7 @@ class Work:
     logits: float = 0.0  # positions whose output projection was computed
 
     def flops(self, shape) -> float:
-        """FLOPs of this work for a model of ``shape`` (a :class:`marft.flops.ModelShape`)."""
+        """FLOPs of this work for a model of ``shape`` (a :class:`marft.engines.flops.ModelShape`)."""
         return shape.forward(self.prefill_tokens + self.decode_tokens,
                              self.prefill_context + self.decode_context, self.logits)
 
@@ -94,7 +94,7 @@ def encode_chats(tok, chats: list[list[dict]], device) -> tuple[torch.Tensor, to
 
 
 def _render(tok, chat: list[dict]) -> str:
-    # a served request's tools, for a template that shows them itself (marft.tool_calls.Chat)
+    # a served request's tools, for a template that shows them itself (marft.serving.tool_calls.Chat)
     tools = {"tools": chat.tools} if getattr(chat, "tools", None) else {}
     try:
         return tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, **tools)
@@ -253,7 +253,7 @@ def _decode(model, tok, sampling, stop_ids, generator, prompt_ids, prompt_mask, 
     return Generated(prompt_ids, prompt_mask, response_ids, response_mask, logprobs, ~ended, texts, work, spent)
 
 
-# the static loop's decode steps attend with marft's grouped-query attention (marft.attention):
+# the static loop's decode steps attend with marft's grouped-query attention (marft.engines.attention):
 # transformers' sdpa, given a mask, repeats every key and value head for each query head that reads
 # it (6x the KV cache of Qwen2.5-1.5B, written and read again at every step) and PyTorch's kernels
 # then take the mask on the repeated heads; grouped attention reads each cached head once
@@ -403,7 +403,7 @@ _gave_up: set[int] = set()  # models whose decode step failed to compile: run as
 
 
 def _compiled_step():
-    """:func:`_step` under ``torch.compile`` (``rollout.compile``; :mod:`marft.compiling`), made
+    """:func:`_step` under ``torch.compile`` (``rollout.compile``; :mod:`marft.engines.compiling`), made
     once per process and shared by every model: dynamic shapes, so the batch and the cache length
     may change from call to call without compiling again; compiled again for each model and acting
     adapter. The first call of each compiles (about ten seconds for the tiny test model on 2 CPU

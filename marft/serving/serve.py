@@ -14,7 +14,7 @@ calls recorded under that episode (:meth:`TeamServer.calls`); ``.../v1`` alone r
 Batching: requests are collected and generated together, one batch per agent and sampling
 setting, by one worker (the engine runs one batch at a time). A batch starts when ``ready(waiting)``
 says so, ``waiting`` mapping each episode to its number of requests waiting (the workflow runner,
-:mod:`marft.workflow`, makes it "every running episode is blocked on its calls", which makes the
+:mod:`marft.serving.workflow`, makes it "every running episode is blocked on its calls", which makes the
 batches, and so the replies, the same from run to run, parallel calls or not), or when a request has
 waited ``patience_s`` (an episode busy elsewhere, with a tool, does not hold the others back for
 ever); without ``ready``, when no new request has come for ``wait_s`` seconds.
@@ -42,7 +42,7 @@ tokens up to it with their log-probabilities; the content returned ends before t
 ``finish_reason`` "stop", as OpenAI's; requests with other stop strings are other batches);
 everything else is the run's.
 
-Tools (:mod:`marft.tool_calls`): a request's ``tools`` are shown to the model (not with ``tool_choice``
+Tools (:mod:`marft.serving.tool_calls`): a request's ``tools`` are shown to the model (not with ``tool_choice``
 "none"; "auto" is the other one accepted, a forced call is a 400), by the chat template where it
 renders tools itself, else as a system paragraph in the Hermes / Qwen2.5 convention; an assistant
 message's ``tool_calls`` (its content may be null) and ``role: "tool"`` results are rendered the same
@@ -94,8 +94,8 @@ from typing import Callable
 import torch
 
 from . import tool_calls
-from .errors import UserError, warn_once
-from .generation import Sampling, _render
+from ..errors import UserError, warn_once
+from ..engines.generation import Sampling, _render
 
 
 @dataclass
@@ -124,7 +124,7 @@ class _Pending:
     index: int
     agent: str
     messages: list[dict]
-    chat: list[dict]  # what the engine renders: the messages with the request's tools (marft.tool_calls)
+    chat: list[dict]  # what the engine renders: the messages with the request's tools (marft.serving.tool_calls)
     sampling: Sampling
     started: float
     future: asyncio.Future = field(repr=False)
@@ -179,7 +179,7 @@ class TeamServer:
         self.batches: list[tuple[str, int]] = []  # (agent, size) of every batch generated, in order
         self.impatient = 0  # batches started because a request waited patience_s, not because ready said so
         self.gen_seconds = 0.0  # time in the engine's generate, summed (MFU)
-        self.gen_flops = 0.0  # FLOPs those batches needed (marft.flops)
+        self.gen_flops = 0.0  # FLOPs those batches needed (marft.engines.flops)
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> "TeamServer":
@@ -801,7 +801,7 @@ def _before_stop(text: str, stop: tuple[str, ...]) -> str:
 
 
 def serve_team(models, team, engine, sampling: Sampling, **kw) -> TeamServer:
-    """A :class:`TeamServer` for a :class:`marft.models.TeamModel`'s team (tokenizers and context
+    """A :class:`TeamServer` for a :class:`marft.engines.models.TeamModel`'s team (tokenizers and context
     lengths from its base models)."""
 
     def tokenizer(agent: str):

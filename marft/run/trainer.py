@@ -2,19 +2,19 @@
 
 1. rollout: the team plays ``rollout.episodes`` training episodes with the current adapters;
 2-4. rewards, values, advantages: what the algorithm (``train.algorithm``, one
-   :class:`marft.algorithms.Algorithm` in :data:`marft.algorithms.ALGORITHMS`) computes for every
+   :class:`marft.maths.algorithms.Algorithm` in :data:`marft.maths.algorithms.ALGORITHMS`) computes for every
    turn: the rewards credited, the critic's features and values, the advantages and returns
    (action-level GAE, token-level GAE, per-agent GAE, or a critic-free group baseline);
 5. critic update: the value heads on the cached features (none for a critic-free algorithm);
 6. policy update: every random choice of the update is made first (:meth:`Trainer._plan_policy`:
    the rows of each trained adapter, one shuffled order per epoch, the advantages normalised over
    the whole batch or per agent, as the algorithm says); then each adapter's
-   :class:`marft.learner.AdapterLearner`, with its own AdamW, runs the clipped PPO surrogate in
+   :class:`marft.run.learner.AdapterLearner`, with its own AdamW, runs the clipped PPO surrogate in
    minibatches with gradient accumulation.
 
 Numerical trouble never reaches the weights: a micro-batch with non-finite log-probabilities (from
 the rollout or recomputed) or a non-finite loss is skipped, and so is an update with a non-finite
-gradient (or with nothing left to learn from), each with a warning (:mod:`marft.learner`); the
+gradient (or with nothing left to learn from), each with a warning (:mod:`marft.run.learner`); the
 trainer counts the skipped updates, and ``train.max_bad_updates`` of them in a row (across
 iterations, saved in checkpoints) stop the run with a :class:`UserError`, its last checkpoint untouched.
 The metrics count skipped updates and degenerate batches (every episode rewarded the same, empty
@@ -33,14 +33,15 @@ from pathlib import Path
 
 import torch
 
-from . import flops, losses, packing
-from .algorithms import ALGORITHMS, TargetInputs, TurnTargets
+from ..engines import flops, packing
+from ..maths import losses
+from ..maths.algorithms import ALGORITHMS, TargetInputs, TurnTargets
 from .checkpoints import latest_checkpoint, read_state, write_checkpoint
 from .config import RunConfig, horizon, is_workflow, save_config, task_label
-from .engines import Engine, make_engine
-from .envs.mixture import draw_tasks, weight_at
-from .errors import UserError
-from .generation import Sampling
+from ..engines import Engine, make_engine
+from ..envs.mixture import draw_tasks, weight_at
+from ..errors import UserError
+from ..engines.generation import Sampling
 from .learner import AdapterLearner, PolicyBatch, UpdateStats, metric_prefix
 from .rollout import Rollout, rollout
 
@@ -273,7 +274,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ step 6
     def _update_policy(self, out: Rollout, targets: list[TurnTargets], trained: list[str]) -> dict:
-        """Each trained adapter's update (:class:`marft.learner.AdapterLearner`), in adapter order,
+        """Each trained adapter's update (:class:`marft.run.learner.AdapterLearner`), in adapter order,
         from the plan of :meth:`_plan_policy`; their metrics."""
         plan = self._plan_policy(out, targets, trained)
         stats: dict = {}
@@ -339,7 +340,7 @@ class Trainer:
 
     def _normalised_advantages(self, out: Rollout, targets: list[TurnTargets]) -> list[torch.Tensor]:
         """Each turn's advantages normalised (``train.normalize_advantages``) over the whole batch or
-        per agent (:meth:`marft.algorithms.Algorithm.normalise`): [b] at action level; at token level
+        per agent (:meth:`marft.maths.algorithms.Algorithm.normalise`): [b] at action level; at token level
         flattened [b * R] over the reply tokens (the learner reshapes them), or the targets' own
         [b, R] when not normalised."""
         advs = [tg.advantages for tg in targets]
@@ -350,7 +351,7 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
         """Write ``checkpoints/iter_NNNNNN`` atomically and point ``checkpoints/latest`` at it
-        (:mod:`marft.checkpoints`): the adapters (PEFT format), the critic, the optimisers, the RNG
+        (:mod:`marft.run.checkpoints`): the adapters (PEFT format), the critic, the optimisers, the RNG
         state and the config."""
         def fill(folder: Path) -> None:
             self.models.save_adapters(folder / "adapters")

@@ -12,7 +12,7 @@ The model is the config's (``smollm2-135m`` by default); ``model.name=tiny`` che
 seconds on a tiny random model that marft builds itself (its replies are noise: the check is of the
 program's calls, not of its answers). ``--episodes N`` (default 4) episodes are played on problems
 of the train split, at the run's sampling settings (``rollout.*``), through
-:func:`marft.trainer.play`, the training rollout itself.
+:func:`marft.run.trainer.play`, the training rollout itself.
 
 The report lists each episode: the calls it made (agents, in step order; calls issued together are
 one step, listed in the team's order), the Flex-MG steps they became, its reward and answer, or why
@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import UserError
+from ..errors import UserError
 
 EPISODES = 4
 """Episodes ``marft env-check`` plays of a workflow unless ``--episodes`` says otherwise."""
@@ -72,7 +72,7 @@ def workflow_config(spec: str, options: list[str]):
     ``team.preset=trio``)."""
     from .assemble import config_file
     from .config import is_workflow, load_config
-    from .envs import WORKFLOW_KEYS
+    from ..envs import WORKFLOW_KEYS
 
     if is_workflow_config(spec):
         cfg = load_config(config_file(spec, "env-check"), options)
@@ -142,7 +142,7 @@ def check_workflow_run(cfg, episodes: int = EPISODES) -> WorkflowCheck:
     happened (:class:`WorkflowCheck`). Raises :class:`UserError` for what stops it before any
     episode: the workflow, data set, reward function or model cannot be loaded."""
     from .assemble import prepare
-    from .engines import make_engine
+    from ..engines import make_engine
     from .trainer import play
 
     if episodes < 1:

@@ -4,7 +4,7 @@ A checkpoint ``<run>/checkpoints/iter_NNNNNN/`` is written into a temporary fold
 renamed; only then does ``checkpoints/latest`` (itself written atomically) name it, so a run killed
 while saving resumes from the previous one. ``metrics.jsonl`` gets one fsynced line per iteration;
 on resume the lines after the checkpoint's iteration (written by the run that was killed) are cut.
-What goes into a checkpoint is the trainer's business (:meth:`marft.trainer.Trainer.save`).
+What goes into a checkpoint is the trainer's business (:meth:`marft.run.trainer.Trainer.save`).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from .errors import UserError
+from ..errors import UserError
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:

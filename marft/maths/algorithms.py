@@ -1,6 +1,6 @@
 """The training algorithms (``train.algorithm``): one :class:`Algorithm` each, in :data:`ALGORITHMS`.
 
-An algorithm is what the trainer (:mod:`marft.trainer`), the learner (:mod:`marft.learner`) and
+An algorithm is what the trainer (:mod:`marft.run.trainer`), the learner (:mod:`marft.run.learner`) and
 the config's validation need to know about it, in one place:
 
 * ``critic``: ``"team"``, one centralised value head reading the global state (the whole
@@ -14,9 +14,9 @@ the config's validation need to know about it, in one place:
   ``"batch"`` over the whole batch, ``"agent"`` over each agent's own turns;
 * ``targets``: steps 2-4 of an iteration, a function ``(TargetInputs, Rollout) -> [TurnTargets]``
   (rewards credited, the critic's values, advantages and returns for every turn); the maths is in
-  :mod:`marft.advantages`.
+  :mod:`marft.maths.advantages`.
 
-Adding an algorithm is one entry in :data:`ALGORITHMS` (and its maths in :mod:`marft.advantages`):
+Adding an algorithm is one entry in :data:`ALGORITHMS` (and its maths in :mod:`marft.maths.advantages`):
 the config's validation (the names, and ``rollout.episodes`` a multiple of ``train.group_size`` for
 a grouped one), the trainer (and through it the Ray driver of :mod:`marft.distributed`) and the
 learner read it from there.
@@ -32,7 +32,7 @@ The algorithms:
 * ``dr-mas``: Dr. MAS (Feng et al., arXiv 2602.08847; code github.com/langfengQ/DrMAS):
   GRPO's group-relative advantage with the mean and std taken per agent, over that agent's own
   turns in the group of one problem, each turn valued at the agent's own episode return
-  (:func:`marft.advantages.agent_group_advantages`). As in the paper, an agent's statistics count
+  (:func:`marft.maths.advantages.agent_group_advantages`). As in the paper, an agent's statistics count
   every turn it took, so an episode of two steps weighs twice. Where marft differs: a group of one
   sample gets advantage 0 (as marft's ``grpo``); and ``train.normalize_advantages`` (on by default,
   as for the other algorithms) then whitens each agent's advantages over the batch, per agent, where
@@ -42,7 +42,7 @@ The algorithms:
   one group per (problem, agent, step); each turn is credited with its own reward of that step
   (the environment's reward for that agent, which is the team reward in marft's team tasks) and
   compared with the same agent's turns at the same step of the same problem
-  (:func:`marft.advantages.turn_group_advantages`). Where marft differs: the paper samples K
+  (:func:`marft.maths.advantages.turn_group_advantages`). Where marft differs: the paper samples K
   candidate replies from one shared state at every turn (tree sampling) and continues the episode
   from the best; marft samples ``train.group_size`` whole episodes per problem, as ``grpo`` does,
   with no branching from a shared state. So at step t > 0 the members of a group have each their
@@ -62,14 +62,14 @@ from . import advantages as adv_fns
 from .critic import ValueHead, prompt_features, state_features, token_features
 
 if TYPE_CHECKING:
-    from .models import TeamModel
-    from .packing import Work
-    from .turns import Rollout, Turn
+    from ..engines.models import TeamModel
+    from ..engines.packing import Work
+    from ..turns import Rollout, Turn
 
 
 @dataclass
 class TurnTargets:
-    """What the update needs for one :class:`marft.rollout.Turn`, row-aligned with it."""
+    """What the update needs for one :class:`marft.run.rollout.Turn`, row-aligned with it."""
 
     features: torch.Tensor  # [b, H] or [b, R, H] (token level); [0] without a critic
     values: torch.Tensor  # [b] or [b, R]: critic values at rollout time (0 without a critic)
@@ -81,7 +81,7 @@ class TurnTargets:
 class TargetInputs:
     """What an algorithm's ``targets`` reads besides the rollout."""
 
-    train: Any  # marft.config.TrainConfig (not imported: the config's validation imports this module)
+    train: Any  # marft.run.config.TrainConfig (not imported: the config's validation imports this module)
     agents: list[str]  # the team's names in acting order
     models: "TeamModel"  # for the critic's features (the base model, adapters disabled)
     heads: dict[str, ValueHead]  # the algorithm's value heads (see Algorithm.make_heads)
@@ -166,7 +166,7 @@ def _acted(inp: TargetInputs, out: "Rollout") -> torch.Tensor:
 
 def _micro(inp: TargetInputs, out: "Rollout"):
     """E episodes, K = H * N micro-steps, and the action-level layout of the rollout's rewards
-    ``(rewards, discounts, dones, mask)``, each [E, K] (:func:`marft.advantages.micro_layout`), the
+    ``(rewards, discounts, dones, mask)``, each [E, K] (:func:`marft.maths.advantages.micro_layout`), the
     micro-steps where an agent did not act (an agent program's) folded away."""
     tr = inp.train
     E, H = out.rewards.shape
@@ -244,14 +244,14 @@ def grpo_targets(inp: TargetInputs, out: "Rollout") -> list[TurnTargets]:
 
 def dr_mas_targets(inp: TargetInputs, out: "Rollout") -> list[TurnTargets]:
     """dr-mas: each agent's own episode return sum_t r^i_t, normalised by the mean and std of that
-    agent's turns in the group (:func:`marft.advantages.agent_group_advantages`)."""
+    agent's turns in the group (:func:`marft.maths.advantages.agent_group_advantages`)."""
     a = adv_fns.agent_group_advantages(out.agent_rewards.sum(1), _acted(inp, out), _groups(inp, out))
     return _critic_free(out, lambda t: a[t.episodes, inp.agents.index(t.agent)])
 
 
 def at_grpo_targets(inp: TargetInputs, out: "Rollout") -> list[TurnTargets]:
     """at-grpo: each turn's own reward r^i_t against the same agent's turns at the same step of the
-    same problem (:func:`marft.advantages.turn_group_advantages`); then whitened over the batch
+    same problem (:func:`marft.maths.advantages.turn_group_advantages`); then whitened over the batch
     (``train.normalize_advantages``), as ``grpo``'s."""
     a = adv_fns.turn_group_advantages(out.agent_rewards, _acted(inp, out), _groups(inp, out))
     return _critic_free(out, lambda t: a[t.episodes, t.step, inp.agents.index(t.agent)])

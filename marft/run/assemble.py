@@ -8,7 +8,7 @@ import random
 from pathlib import Path
 
 from .config import RunConfig
-from .errors import UserError
+from ..errors import UserError
 
 
 def _quiet_libraries() -> None:
@@ -27,8 +27,8 @@ def prepare(cfg: RunConfig):
     """Seed, threads, team, models and environment factory for a run: ``(team, models, make_env)``."""
     import torch
 
-    from .models import TeamModel
-    from .team import build_team
+    from ..engines.models import TeamModel
+    from ..team import build_team
 
     _quiet_libraries()
     if cfg.threads:
@@ -46,8 +46,8 @@ def env_factory(cfg: RunConfig, team):
     mixture (``cfg.tasks``, or one task whose rewards are scaled), a
     :class:`marft.envs.mixture.MixtureFactory` over each task's own."""
     from .config import task_label, task_list
-    from .envs import DATASET_KEYS, WORKFLOW_KEYS, make_env_factory
-    from .envs.mixture import MixtureFactory
+    from ..envs import DATASET_KEYS, WORKFLOW_KEYS, make_env_factory
+    from ..envs.mixture import MixtureFactory
 
     def one(t):
         keys = WORKFLOW_KEYS if t.kind == "workflow" else DATASET_KEYS
@@ -69,8 +69,8 @@ def env_factory(cfg: RunConfig, team):
 
 
 def _machine(models) -> dict:
-    """:func:`marft.machine.describe_machine` of a team's (first) base model."""
-    from .machine import describe_machine
+    """:func:`marft.engines.machine.describe_machine` of a team's (first) base model."""
+    from ..engines.machine import describe_machine
 
     return describe_machine(next(iter(models.bases.values())))
 

@@ -1,6 +1,6 @@
 """The sandbox's launcher: isolates itself, starts one program, watches it, reports as JSON.
 
-Run by :mod:`marft.sandbox` as ``python -I -S _sandbox_boot.py`` with a JSON spec on stdin; it
+Run by :mod:`marft.envs.sandbox` as ``python -I -S _sandbox_boot.py`` with a JSON spec on stdin; it
 uses the standard library only and writes one JSON object to its stdout. It is trusted code: the
 program under test never runs in this process. Steps:
 

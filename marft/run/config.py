@@ -22,8 +22,8 @@ from typing import Any
 
 import yaml
 
-from .envs import KINDS, option_clash
-from .errors import UserError
+from ..envs import KINDS, option_clash
+from ..errors import UserError
 
 MAX_ENV_TIMEOUT_S = 86400
 """The longest ``rollout.env_timeout_s`` (a day): far beyond any grading, and within what the
@@ -143,7 +143,7 @@ class TaskConfig:
     ``reward(reply: str, record: dict) -> float | bool`` per answering agent and step."""
     workflow: str = ""
     """workflow: ``module:function`` or ``path/to/file.py:function``, called as
-    ``workflow(problem, client) -> answer`` per episode (``async def`` too; :mod:`marft.workflow`);
+    ``workflow(problem, client) -> answer`` per episode (``async def`` too; :mod:`marft.serving.workflow`);
     the problems and the reward are the dataset task's keys, the reward called on the answer (a
     number, or ``{agent: number}``: per-agent rewards)."""
     success_threshold: float = 1.0
@@ -259,7 +259,7 @@ class EvalConfig:
 @dataclass
 class TrainConfig:
     algorithm: str = "marft"
-    """One of :data:`marft.algorithms.ALGORITHMS`: ``marft`` (action-level PPO, centralised critic),
+    """One of :data:`marft.maths.algorithms.ALGORITHMS`: ``marft`` (action-level PPO, centralised critic),
     ``marft-token`` (token-level PPO), ``ippo`` (a critic per agent over its own observation), or a
     critic-free group baseline over ``group_size`` episodes of each problem: ``grpo`` (the team's
     return against its group's), ``dr-mas`` (Dr. MAS: the mean and std per agent, over the agent's own
@@ -291,16 +291,16 @@ class TrainConfig:
     micro_batch_tokens: int = 0
     """``fast``: at most this many tokens per forward/backward pass (rows x the longest row, prompt
     + reply; rows of similar length are grouped). Bounds the learner's activation memory. 0 (auto):
-    2,048 on a CPU; on a GPU what its memory holds (``marft.packing.token_budget``: about 16k tokens
+    2,048 on a CPU; on a GPU what its memory holds (``marft.engines.packing.token_budget``: about 16k tokens
     for a 1.5B model on an H200)."""
     fast: bool = True
-    """The learner's packed passes (``marft/packing.py``: no padding, shared prompt prefix once,
+    """The learner's packed passes (``marft/engines/packing.py``: no padding, shared prompt prefix once,
     log-probabilities and entropy without a float32 vocabulary tensor, behaviour log-probabilities of
     the first minibatch taken from its own pass). ``false``: the plain padded passes, kept to measure
     against (``benchmarks/train.py``)."""
     compile: bool = False
     """``fast``: the learner's passes run each decoder layer compiled with ``torch.compile``
-    (``marft/compiling.py``: one compilation serves every layer, dynamic shapes), the shared prompt
+    (``marft/engines/compiling.py``: one compilation serves every layer, dynamic shapes), the shared prompt
     prefix then not split off. Fuses the norms, rotary embeddings, activations and the adapters'
     casts around the matrix products, forward and backward; the first passes compile (with
     ``rollout.compile``, 188 s for the embedded model on 2 CPU cores: BENCHMARKS.md). Off by default until a GPU run has measured it;
@@ -378,7 +378,7 @@ class ClusterConfig:
 class LogConfig:
     """Where a ``marft train`` run's curves go besides ``metrics.jsonl`` (always written): the same
     scalars, the config and the evaluation tables to each tracker turned on here (see
-    :mod:`marft.trackers`). W&B and MLflow are optional extras: ``pip install "marft[wandb]"`` /
+    :mod:`marft.run.trackers`). W&B and MLflow are optional extras: ``pip install "marft[wandb]"`` /
     ``"marft[mlflow]"``."""
 
     tensorboard: bool = True
@@ -542,7 +542,7 @@ def _expand_preset(data: dict) -> None:
     if not isinstance(team, dict):
         return
     if not team.get("agents"):
-        from .team import preset_agents
+        from ..team import preset_agents
 
         team["agents"] = preset_agents(str(team.get("preset", TeamConfig.preset)))
 
@@ -658,7 +658,7 @@ def validate(cfg: RunConfig) -> None:
            "eval.without removes agents from the team's own turns, but a workflow (task.kind workflow) calls "
            "whom it likes: leave it out (or give your program a way to skip the agent)")
     tr = cfg.train
-    from .algorithms import ALGORITHMS
+    from ..maths.algorithms import ALGORITHMS
 
     _check(tr.algorithm in ALGORITHMS, f"train.algorithm must be one of {', '.join(ALGORITHMS)}, got {tr.algorithm!r}")
     _check(tr.iterations >= 0, f"train.iterations must be 0 or more, got {tr.iterations}")
@@ -690,7 +690,7 @@ def validate(cfg: RunConfig) -> None:
     _check(not lg.mlflow or bool(lg.mlflow_experiment.strip()),
            "log.mlflow_experiment is empty; name the MLflow experiment, e.g. log.mlflow_experiment=marft")
     _check(cfg.threads >= 0, f"threads must be 0 (default) or positive, got {cfg.threads}")
-    from .team import build_team
+    from ..team import build_team
 
     team = build_team(cfg.team)  # names, graph, adapters: raises UserError with the reason
     _validate_cluster(cfg, team)
@@ -750,7 +750,7 @@ def horizon(cfg: RunConfig) -> int:
 
 
 def _validate_mixture(tasks: list[TaskConfig]) -> None:
-    from .envs.mixture import schedule_points, weight_at
+    from ..envs.mixture import schedule_points, weight_at
 
     seen: dict[str, int] = {}
     for i, t in enumerate(tasks):

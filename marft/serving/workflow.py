@@ -1,5 +1,5 @@
 """Agent programs of your own as marft episodes: run a workflow per episode against the team's
-endpoint (:mod:`marft.serve`) and build the rollout the learner trains on from its calls.
+endpoint (:mod:`marft.serving.serve`) and build the rollout the learner trains on from its calls.
 
 A workflow is ``workflow(problem, client) -> answer`` (a plain function or ``async def``):
 ``problem`` a dict (the problem's record; ``problem["prompt"]`` its text), ``client`` an
@@ -21,7 +21,7 @@ centralised critic's state before a call is the problem and every earlier reply 
 micro-step order (``"Problem: ..."`` then one ``"[step t] agent: reply"`` line each, the shape of
 :meth:`marft.envs.base.TurnBasedEnv.state`); the reward comes at the episode's last step; a step's
 agents that were not called are no micro-steps (the advantages pass over them:
-:func:`marft.advantages.fold_skipped`). An episode whose workflow raises, runs past ``timeout_s`` or
+:func:`marft.maths.advantages.fold_skipped`). An episode whose workflow raises, runs past ``timeout_s`` or
 calls no agent is left out of training (``failed``, its calls kept for its transcript) and counted;
 the others go on.
 
@@ -52,97 +52,16 @@ from typing import Callable
 
 import torch
 
-from .engines.base import Reply, pack
-from .envs.base import Grade
-from .envs.dataset import DatasetEnv
-from .errors import UserError
-from .turns import Rollout, Turn
-
-
-def answer_text(answer) -> str:
-    """What a workflow returned, as the text its task grades: a string as it is, None (nothing
-    returned) as no answer (not the text "None"), anything else as ``str(answer)`` (42 -> "42")."""
-    if answer is None:
-        return ""
-    return answer if isinstance(answer, str) else str(answer)
-
-
-class WorkflowEnv(DatasetEnv):
-    """``task.kind: workflow``: the problems and the reward of a data set task (:class:`DatasetEnv`:
-    ``task.dataset``, ``task.reward``, ...), played by the user's ``workflow`` (``task.workflow``,
-    ``module:function`` or ``path/to/file.py:function``) instead of marft's team loop; the rollout
-    (:func:`marft.rollout.rollout`) sees ``workflow_fn`` and calls :func:`workflow_rollout`. The
-    reward function scores the workflow's answer: ``reward(answer, record)``, a number for the team or
-    ``{agent: number}`` per agent (:meth:`score_answer`)."""
-
-    def __init__(self, agents: list[str], answering: list[str], horizon: int = 1, *, workflow: str = "", **kwargs):
-        super().__init__(agents, answering, horizon, **kwargs)
-        if not workflow:
-            raise UserError("task.kind workflow needs task.workflow: 'package.module:function' or "
-                            "'path/to/file.py:function', called as workflow(problem, client) -> answer")
-        self.workflow_fn = load_workflow(workflow)
-
-    def score_answer(self, answer: str) -> Grade | dict[str, float]:
-        """The reward function on the workflow's answer: a :class:`Grade` of a number (the team's
-        reward), or ``{agent: number}`` when it returns per-agent rewards (agents it leaves out get 0)."""
-        from .envs.dataset import score_reply
-
-        where = f"record {self.problem.meta['index']} of the {self.problem.meta['split']} split"
-        score = score_reply(self.reward_fn, self.reward, answer, dict(self.problem.meta["record"]), where,
-                            agents=self.possible_agents)
-        if isinstance(score, dict):
-            return score
-        return Grade(correct=score >= self.success_threshold, extracted=bool((answer or "").strip()), score=score)
-
-
-_WORKFLOWS: dict[tuple, Callable] = {}  # (spec, (path, mtime, size) of a file) -> the function: one import a run
-_WORKFLOWS_LOCK = threading.Lock()
-
-
-def load_workflow(spec: str) -> Callable:
-    """The function ``task.workflow`` names (``package.module:function`` or ``path/to/file.py:function``),
-    checked (:func:`check_workflow`). A file is imported once per process while it is unchanged, as a
-    module is: its module-level state lives across the run's rollouts and episodes."""
-    import os
-
-    from .envs.check import import_user_module
-
-    module_name, _, attr = spec.rpartition(":")
-    if not module_name or not attr:
-        raise UserError(f"task.workflow {spec!r} must look like 'package.module:function' or 'path/to/file.py:function'")
-    stamp = ()
-    if os.path.isfile(module_name):
-        st = os.stat(module_name)
-        stamp = (os.path.abspath(module_name), st.st_mtime_ns, st.st_size)
-    with _WORKFLOWS_LOCK:
-        if (spec, stamp) in _WORKFLOWS:
-            return _WORKFLOWS[(spec, stamp)]
-        fn = getattr(import_user_module(module_name, "marft_user_workflow_"), attr, None)
-        if not callable(fn):
-            raise UserError(f"task.workflow {spec!r}: module {module_name!r} has no function {attr!r}")
-        check_workflow(fn, spec)
-        _WORKFLOWS[(spec, stamp)] = fn
-        return fn
-
-
-def check_workflow(fn: Callable, spec: str) -> None:
-    """A :class:`UserError` unless ``fn`` can be called as ``workflow(problem, client)`` (a callable
-    without a signature, such as some builtins, passes: its calls will tell)."""
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return
-    try:
-        sig.bind("problem", "client")
-    except TypeError:
-        name = getattr(fn, "__name__", type(fn).__name__)
-        raise UserError(f"task.workflow {spec!r} must take two arguments, workflow(problem, client); "
-                        f"its signature is {name}{sig}") from None
+from ..engines.base import Reply, pack
+from ..envs.base import Grade
+from ..envs.workflow import WorkflowEnv, answer_text
+from ..errors import UserError
+from ..turns import Rollout, Turn
 
 
 def workflow_rollout(team, engine, envs: list[WorkflowEnv], resets: list, sampling, generator, timeout_s: float) -> Rollout:
     """The rollout of a workflow task: each environment reset to its problem, the workflow run on
-    every problem against a :class:`marft.serve.TeamServer` on ``engine`` sampling with
+    every problem against a :class:`marft.serving.serve.TeamServer` on ``engine`` sampling with
     ``generator`` (so a workflow that asks as the built-in team does gets the same replies)."""
     from .serve import serve_team
 
@@ -300,7 +219,7 @@ class _Watched(selectors.DefaultSelector):
 def play_workflows(team, server, workflow: Callable, problems: list[dict], reward: Callable,
                    timeout_s: float = 300.0, success_threshold: float = 1.0) -> Rollout:
     """Run ``workflow`` once per problem, all at once, against ``server`` (a started
-    :class:`marft.serve.TeamServer`); return the rollout of their calls.
+    :class:`marft.serving.serve.TeamServer`); return the rollout of their calls.
 
     Batches start when every running episode is blocked on its calls (:meth:`_Episode.settled`), so
     the same seed gives the same replies whatever the order in which parallel calls arrive."""
@@ -395,7 +314,7 @@ def play_workflows(team, server, workflow: Callable, problems: list[dict], rewar
 
 def _in_steps(team, calls: list) -> list[tuple[int, object]]:
     """An episode's calls as Flex-MG micro-steps, ``[(step, call), ...]`` in execution order. Calls
-    of one round (made before any of the others' replies came back: :class:`marft.serve.Call`) are
+    of one round (made before any of the others' replies came back: :class:`marft.serving.serve.Call`) are
     ordered by the team's agent order, then by what they ask, then as the program made them; the
     steps are filled in that order: a call to an agent that already acted in the step, or comes
     earlier in the team's order, starts the next step. So parallel calls (``asyncio.gather``, a
@@ -417,7 +336,7 @@ def _in_steps(team, calls: list) -> list[tuple[int, object]]:
 
 def calls_to_rollout(team, problems: list[dict], calls: list[list], scores: list, errors: list[str | None],
                      success_threshold: float = 1.0, answers: list | None = None) -> Rollout:
-    """The rollout of recorded calls (:class:`marft.serve.Call`, one list per episode): one
+    """The rollout of recorded calls (:class:`marft.serving.serve.Call`, one list per episode): one
     :class:`Turn` per (step, agent) with that micro-step's episodes in episode order, the steps as
     :func:`_in_steps` makes them; ``scores[e]`` the episode's reward (a number, or ``{agent: number}``),
     given at its last step. A failed episode keeps the calls it made (its transcript shows them);

@@ -64,7 +64,7 @@ from pathlib import Path
 
 import yaml
 
-from .errors import UserError
+from ..errors import UserError
 
 KNOWN = {"output_dir", "base", "parallel", "threads", "overrides", "grid", "grids"}
 
@@ -160,7 +160,7 @@ def _axis(name: str, values, where: str) -> list[tuple[str, list[str]]]:
 
 def load_sweep(path: str | Path) -> Sweep:
     """Read and check a sweep file: every run's config is loaded (and so validated) here."""
-    from .config import load_config
+    from ..run.config import load_config
 
     p = Path(path)
     if not p.is_file():
@@ -264,7 +264,7 @@ def _same_run(first: Run, labels: dict[str, str], overrides: list[str]) -> None:
 
 def run_state(folder: Path) -> str:
     """complete (eval_final.json), resumable (a checkpoint) or new."""
-    from .checkpoints import latest_checkpoint
+    from ..run.checkpoints import latest_checkpoint
 
     if (folder / "eval_final.json").is_file():
         return "complete"
@@ -372,7 +372,7 @@ def _set_aside(folder: Path) -> Path | None:
     """Move the files of an earlier ``marft train`` attempt in ``folder`` (one that left no
     checkpoint: a run killed or failed early) into ``folder/earlier_attempt_N/``, so that the run
     can start afresh there without overwriting them; None if there were none."""
-    from .assemble import earlier_run_files
+    from ..run.assemble import earlier_run_files
 
     found = earlier_run_files(folder, trackers=True)
     if not found:
@@ -403,8 +403,8 @@ def _recorded_machines(folder: Path) -> list[str]:
 
 
 def machine() -> str:
-    """The CPU a run ran on (:func:`marft.machine.cpu_line`)."""
-    from .machine import cpu_line
+    """The CPU a run ran on (:func:`marft.engines.machine.cpu_line`)."""
+    from ..engines.machine import cpu_line
 
     return cpu_line()
 
