@@ -22,12 +22,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from marft import packing  # noqa: E402
+from marft.engines import packing  # noqa: E402
 from marft.engines.attention import attention as marft_attention  # noqa: E402
 from marft.api import prepare  # noqa: E402
 from marft.run.config import load_config  # noqa: E402
 from marft.run.learner import PolicyBatch  # noqa: E402
-from marft.run.trainer import Trainer  # noqa: E402
+from marft.assemble import build_trainer  # noqa: E402
 
 from common import CONFIG, PINNED  # noqa: E402
 
@@ -72,11 +72,11 @@ def one_layer() -> None:
 def learner() -> None:
     cfg = load_config(CONFIG, [*PINNED, "threads=2", "output_dir=/tmp/marft-bench-attention"])
     team, models, make_env = prepare(cfg)
-    tr = Trainer(cfg, team, models, make_env, log=lambda m: None)
-    out = tr._rollout(0)
+    tr = build_trainer(cfg, team, models, make_env, log=lambda m: None)
+    out = tr.play(0)
     agent = team.names[-1]
     rows = [(i, r) for i, t in enumerate(out.turns) if t.agent == agent for r in range(len(t.episodes))]
-    learner = tr.policy_learners[team[agent].adapter]
+    learner = tr.policy.learners[team[agent].adapter]
     batch = PolicyBatch.of(out.turns, [torch.zeros(len(t.episodes)) for t in out.turns], rows, [rows])  # no loss here
     packed = batch.packed_rows()
     for p in models.adapter_parameters(team[agent].adapter):

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from marft import packing  # noqa: E402
+from marft.engines import packing  # noqa: E402
 from marft.api import prepare  # noqa: E402
 from marft.run.config import load_config  # noqa: E402
 from marft.engines.generation import encode_chats  # noqa: E402

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import marft.engines.generation as gen  # noqa: E402
-from marft import flops, packing  # noqa: E402
+from marft.engines import flops, packing  # noqa: E402
 from marft.api import prepare  # noqa: E402
 from marft.run.config import load_config  # noqa: E402
 from marft.engines.generation import Sampling, encode_chats, generate, sequence_logprobs  # noqa: E402

@@ -30,11 +30,10 @@ def main() -> None:
     import ray
 
     from common import CONFIG, PINNED, cpu_name
-    from marft import flops
+    from marft.engines import flops
     from marft.api import prepare
     from marft.run.config import load_config
-    from marft.distributed import DistributedTrainer
-    from marft.run.trainer import Trainer
+    from marft.assemble import build_trainer
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iterations", type=int, default=4)
@@ -54,7 +53,7 @@ def main() -> None:
         cfg = load_config(CONFIG, [*common, *extra])
         team, models, make_env = prepare(cfg)
         t0 = time.perf_counter()
-        tr = (DistributedTrainer if workers else Trainer)(cfg, team, models, make_env, log=lambda m: None)
+        tr = build_trainer(cfg, team, models, make_env, log=lambda m: None)  # Ray parts when the cluster has workers
         start_s = time.perf_counter() - t0
         ms = [tr.iteration_step() for _ in range(args.iterations)]
         tr.close()

@@ -28,7 +28,7 @@ def main() -> None:
     import torch
 
     from common import CONFIG, cpu_name
-    from marft import flops
+    from marft.engines import flops
     from marft.api import prepare
     from marft.run.config import load_config
     from marft.engines.hf import HFEngine

@@ -31,7 +31,7 @@ from marft.api import prepare  # noqa: E402
 from marft.run.config import load_config  # noqa: E402
 from marft.run.evaluation import evaluate  # noqa: E402
 from marft.run.checkpoints import append_metrics  # noqa: E402
-from marft.run.trainer import Trainer  # noqa: E402
+from marft.assemble import build_trainer  # noqa: E402
 
 
 def rss_mib() -> float:
@@ -77,7 +77,7 @@ def main() -> None:
         "rollout.episodes=8", "rollout.max_new_tokens=8", "eval.problems=8", "train.minibatch_size=8",
         "train.save_every=10", f"train.iterations={args.iterations}", f"output_dir={work / 'run'}", *args.overrides])
     team, models, make_env = prepare(cfg)
-    trainer = Trainer(cfg, team, models, make_env, log=lambda m: None)
+    trainer = build_trainer(cfg, team, models, make_env, log=lambda m: None)
     run = Path(cfg.output_dir)
     run.mkdir(parents=True, exist_ok=True)
     from torch.utils.tensorboard import SummaryWriter

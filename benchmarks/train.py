@@ -31,9 +31,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from marft import flops, packing  # noqa: E402
+from marft.engines import flops, packing  # noqa: E402
 from marft.api import prepare  # noqa: E402
 from marft.run.config import load_config  # noqa: E402
+from marft.assemble import build_trainer  # noqa: E402
 from marft.run.trainer import Trainer  # noqa: E402
 
 from common import CONFIG, PINNED, cpu_name  # noqa: E402
@@ -48,8 +49,8 @@ PARTS = [("rollout (generation)", "generation_s", "mfu/rollout"),
 def state(tr: Trainer) -> dict:
     return copy.deepcopy({"adapters": {a: tr.models.adapter_state(a) for a in tr.team.adapters},
                           "heads": {k: h.state_dict() for k, h in tr.heads.items()},
-                          "popt": {k: o.state_dict() for k, o in tr.policy_opt.items()},
-                          "copt": {k: o.state_dict() for k, o in tr.critic_opt.items()},
+                          "popt": {k: lr.optimizer.state_dict() for k, lr in tr.policy.learners.items()},
+                          "copt": {k: o.state_dict() for k, o in tr.critic.optimizers.items()},
                           "iteration": tr.iteration})
 
 
@@ -58,16 +59,16 @@ def restore(tr: Trainer, s: dict) -> None:
         tr.models.load_adapter_state(a, copy.deepcopy(w))
     for k, h in tr.heads.items():
         h.load_state_dict(s["heads"][k])
-        tr.critic_opt[k].load_state_dict(copy.deepcopy(s["copt"][k]))
-    for k, o in tr.policy_opt.items():
-        o.load_state_dict(copy.deepcopy(s["popt"][k]))
+        tr.critic.optimizers[k].load_state_dict(copy.deepcopy(s["copt"][k]))
+    for k, lr in tr.policy.learners.items():
+        lr.optimizer.load_state_dict(copy.deepcopy(s["popt"][k]))
     tr.iteration = s["iteration"]
 
 
 def policy_update_seconds(tr: Trainer, out, targets, s: dict) -> float:
     restore(tr, s)
     t0 = time.perf_counter()
-    tr._update_policy(out, targets, list(tr.team.names))
+    tr.update_policy(out, targets, list(tr.team.names))
     return time.perf_counter() - t0
 
 
@@ -83,7 +84,7 @@ def main() -> None:
     args = p.parse_args()
     cfg = load_config(args.config, [*PINNED, "threads=2", "output_dir=/tmp/marft-bench-train", *args.overrides])
     team, models, make_env = prepare(cfg)
-    tr = Trainer(cfg, team, models, make_env, log=lambda m: None)
+    tr = build_trainer(cfg, team, models, make_env, log=lambda m: None)
     base = tr._base()
     dtype = next(base.parameters()).dtype
     rate = flops.machine_rate(base)
@@ -146,8 +147,8 @@ def main() -> None:
     print(f"end to end: {a} {old['tokens_per_s']:.1f}, {b} {new['tokens_per_s']:.1f} generated tokens/s")
 
     if not args.no_ablations and not args.compile:
-        out = tr._rollout(s["iteration"])
-        targets = tr._targets(out)
+        out = tr.play(s["iteration"])
+        targets = tr.targets(out)
         rows = sum(len(t.episodes) for t in out.turns)
         tok = int(sum(t.prompt_mask.sum() + t.response_mask.sum() for t in out.turns))
         print()

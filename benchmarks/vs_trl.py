@@ -77,11 +77,11 @@ def run_marft(a: argparse.Namespace) -> dict:
     import torch
 
     from marft.api import prepare
-    from marft.run.trainer import Trainer
+    from marft.assemble import build_trainer
 
     cfg = marft_config(a)
     team, models, make_env = prepare(cfg)
-    tr = Trainer(cfg, team, models, make_env, log=lambda m: None)
+    tr = build_trainer(cfg, team, models, make_env, log=lambda m: None)
     steps = []
     for _ in range(a.steps):
         t0 = time.perf_counter()
@@ -98,7 +98,7 @@ def run_marft(a: argparse.Namespace) -> dict:
 def solo_prompts(a: argparse.Namespace, n: int):
     """``n`` training problems: the solver's chat rendered as marft renders it, and its seed."""
     from marft.run.assemble import env_factory
-    from marft.engines.generation import _render
+    from marft.engines.generation import render_chat
     from marft.engines.models import resolve_model
     from marft.team import agent_messages, build_team
     from transformers import AutoTokenizer
@@ -112,7 +112,7 @@ def solo_prompts(a: argparse.Namespace, n: int):
     for seed in range(n):
         env = make_env()
         env.reset(seed=seed, options={"split": "train"})
-        rows.append({"prompt": _render(tok, agent_messages(agent, env.observe(agent.name), {})), "seed": seed})
+        rows.append({"prompt": render_chat(tok, agent_messages(agent, env.observe(agent.name), {})), "seed": seed})
     return cfg, team, make_env, rows
 
 
@@ -197,7 +197,7 @@ def held_out(a: argparse.Namespace, adapters: dict[str, Path]) -> dict:
 def table(files: list[str]) -> None:
     """Held-out accuracy over the seeds of ``--eval`` runs: each side's per seed, mean and 95%
     interval over seeds, and the difference of the first two sides (Welch)."""
-    from marft.experiments.report import seed_interval, welch_interval
+    from marft.maths.stats import seed_interval, welch_interval
 
     missing = [f for f in files if not Path(f).is_file()]
     if missing:

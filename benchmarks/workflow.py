@@ -32,7 +32,7 @@ from marft.api import env_factory, prepare  # noqa: E402
 from marft.run.config import load_config  # noqa: E402
 from marft.engines import make_engine  # noqa: E402
 from marft.engines.machine import describe_machine  # noqa: E402
-from marft.run.trainer import play  # noqa: E402
+from marft.run.rollout import play  # noqa: E402
 
 INSTRUCTION = "task.options={instruction: 'Give the final answer in \\boxed{}.'}"
 

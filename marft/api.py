@@ -16,17 +16,15 @@ command line), a ``{"dotted.key": value}`` dict, or a section per keyword (``tra
 """
 from __future__ import annotations
 
-import json
 import re
 import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from .run.config import RunConfig, is_workflow, load_config as _load_config, save_config, to_dict
-from .run.assemble import (_machine, _num_problems, _quiet_libraries, _record_machine, check_new_run_dir, env_factory, make_dir,
-                       output_file, prepare)
+from .run.config import RunConfig, load_config as _load_config, to_dict
+from .run.assemble import describe, env_factory, num_problems, prepare, quiet_libraries
+from .run.folder import RunFolder, output_file
+from .run.training import TrainResult, progress_line  # noqa: F401 - progress_line: part of the API
 from .errors import UserError
 
 __all__ = ["MarftConfig", "MarftTrainer", "TrainResult", "TrainedTeam", "evaluate", "load_config", "load_team"]
@@ -49,12 +47,7 @@ def load_config(source: str | Path | dict | RunConfig | None = None, overrides: 
     earlier config, or None (every default). Then ``overrides`` (``["train.lr=1e-5"]`` as on the
     command line, or ``{"train.lr": 1e-5}``) and keyword sections (``train={"lr": 1e-5}``,
     ``seed=1``) apply, in that order. A wrong key or value is a :class:`marft.UserError`."""
-    pairs: list = list(overrides.items()) if isinstance(overrides, dict) else list(overrides)  # "k=v" or (k, v)
-    for key, value in sections.items():
-        if isinstance(value, dict):
-            pairs += _flatten(value, key)
-        else:
-            pairs.append((key, value))
+    pairs = _pairs(overrides, sections)
     if isinstance(source, RunConfig):
         source = to_dict(source)
     if isinstance(source, dict):
@@ -63,8 +56,20 @@ def load_config(source: str | Path | dict | RunConfig | None = None, overrides: 
             source["task"] = _task_paths(source["task"], "task")
         if isinstance(source.get("tasks"), list):
             source["tasks"] = [_task_paths(t, f"tasks.{i}") if isinstance(t, dict) else t for i, t in enumerate(source["tasks"])]
-    pairs = [_override_paths(o) if isinstance(o, tuple) else o for o in pairs]
     return _load_config(source, pairs)
+
+
+def _pairs(overrides: Iterable[str] | dict, sections: dict) -> list:
+    """The overrides and keyword sections of :func:`load_config` as one list of ``"key=value"``
+    strings and ``(key, value)`` pairs, in that order, objects given for a reward, environment
+    or workflow turned into their import paths."""
+    pairs: list = list(overrides.items()) if isinstance(overrides, dict) else list(overrides)  # "k=v" or (k, v)
+    for key, value in sections.items():
+        if isinstance(value, dict):
+            pairs += _flatten(value, key)
+        else:
+            pairs.append((key, value))
+    return [_override_paths(o) if isinstance(o, tuple) else o for o in pairs]
 
 
 def _task_paths(task: dict, where: str) -> dict:
@@ -136,7 +141,7 @@ def evaluate(config: RunConfig, adapters: str | Path | None = None, without: Ite
     if without:
         team = team.without(without)
         make_env = env_factory(cfg, team)
-    num = _num_problems(make_env)
+    num = num_problems(make_env)
     engine = make_engine(cfg, models)  # after the adapters are loaded: the vllm engine copies them
     try:
         result = run_evaluation(cfg, team, engine, make_env, num, progress)
@@ -144,7 +149,7 @@ def evaluate(config: RunConfig, adapters: str | Path | None = None, without: Ite
         engine.close()
     result["adapters"] = str(adapters) if adapters else None
     result["without"] = without
-    result["machine"] = _machine(models)
+    result["machine"] = describe(models)
     if output is not None:
         write_json(result, output)
     return result
@@ -182,30 +187,10 @@ def adapters_folder(source: str | Path) -> Path:
 # --------------------------------------------------------------------------------------------
 # training
 
-@dataclass
-class TrainResult:
-    """What :meth:`MarftTrainer.train` gives back."""
-
-    run_dir: Path
-    """The run folder: config.yaml, metrics.jsonl, checkpoints/, eval_*.json, tensorboard/."""
-    metrics: list[dict]
-    """One dict per iteration (the lines of metrics.jsonl, also those before a resume)."""
-    untrained: dict | None
-    """The untrained team's evaluation (None when ``eval.before`` is off or on resume)."""
-    final: dict | None
-    """The trained team's evaluation (None when the run was stopped early)."""
-    adapters: Path | None
-    """The trained adapters, one PEFT folder per adapter (``load_team`` or ``marft eval --adapters``)."""
-    stopped: bool = False
-    """:meth:`MarftTrainer.stop` (Ctrl-C or SIGTERM on the command line) ended the run early;
-    resume it with ``MarftTrainer.resume(run_dir)``."""
-    ablations: dict[str, dict] = field(default_factory=dict)
-    """``eval.ablate``: the trained team's evaluation without each agent whose message another reads."""
-
-
 class MarftTrainer:
-    """Trains the team of ``config`` (MARFT, IPPO or GRPO; in one process or on Ray when
-    ``cluster.rollout_workers`` > 0) in its run folder ``config.output_dir``.
+    """Trains the team of ``config`` with its ``train.algorithm`` (marft, marft-token, ippo, grpo,
+    dr-mas or at-grpo; :data:`marft.maths.algorithms.ALGORITHMS`), in one process or on Ray when
+    ``cluster.rollout_workers`` > 0, in its run folder ``config.output_dir``.
 
     ``log(message)`` receives the progress lines (default: standard error). ``callbacks`` are
     functions ``f(metrics)`` called after every iteration, or objects with optional methods
@@ -213,47 +198,25 @@ class MarftTrainer:
     Use it as a context manager (or call :meth:`close`) to free the engine and Ray's actors."""
 
     def __init__(self, config: RunConfig, *, log: Callable[[str], None] | None = _stderr,
-                 callbacks: Iterable[Any] = (), _resume: Path | None = None):
-        from .run.trainer import Trainer
+                 callbacks: Iterable[Any] = (), run: RunFolder | None = None):
+        """``run``: the run's folder when the caller made it already (:meth:`resume`, the command
+        line); None: ``config.output_dir`` as a new run's, which must not hold an earlier run's files."""
+        from .assemble import build_training
 
-        self.config = cfg = config
-        self.run_dir = Path(cfg.output_dir)
-        self._log = log or (lambda message: None)
-        self.callbacks = list(callbacks)
-        self._checkpoint = _resume
-        if not _resume:
-            check_new_run_dir(self.run_dir)  # a new run never overwrites an earlier run's files
-            make_dir(self.run_dir, "output_dir")
-        self.team, self.models, self.make_env = prepare(cfg)
-        if not _resume:  # a new run's adapters from trained ones (a resumed run has its checkpoint's)
-            self.models.init_adapters(cfg.model.init_adapters)
-        make = Trainer
-        if cfg.cluster.rollout_workers:  # Ray: rollout workers and learners as actors (docs/scaling.md)
-            from .distributed import DistributedTrainer as make
-        self.trainer = make(cfg, self.team, self.models, self.make_env, log=self._log)
-        self._stop = False
-        self._num = None
-        if self._checkpoint is not None:
-            try:
-                self.trainer.load(self._checkpoint)  # every check passes before anything in the run folder changes
-            except BaseException:
-                self.close()
-                raise
+        self.config = config
+        self.run = run if run is not None else RunFolder.new(config.output_dir)
+        self.run_dir = self.run.path
+        self.training = build_training(config, self.run, log or (lambda message: None), callbacks, owner=self)
+        self.team, self.models, self.make_env = self.training.team, self.training.models, self.training.make_env
+        self.trainer, self.callbacks = self.training.trainer, self.training.callbacks
 
     @classmethod
-    def resume(cls, run_dir: str | Path, overrides: Iterable[str] | dict = (), **kwargs: Any) -> "MarftTrainer":
+    def resume(cls, run_dir: str | Path | RunFolder, overrides: Iterable[str] | dict = (), **kwargs: Any) -> "MarftTrainer":
         """The run in ``run_dir`` at its last checkpoint, with its saved config and ``overrides``
         (those that do not change what the checkpoint holds: more iterations, a learning rate...)."""
-        from .run.checkpoints import resume_checkpoint
-
-        run_dir = Path(run_dir)
-        ckpt = resume_checkpoint(run_dir)  # or a UserError saying what is wrong with run_dir
-        sections = {k: kwargs.pop(k) for k in list(kwargs) if k not in ("log", "callbacks")}
-        # the run folder is where it is now, whatever output_dir said (a relative path, another cwd)
-        saved = load_config(ckpt / "config.yaml", output_dir=str(run_dir))
-        cfg = load_config(saved, overrides, **sections, output_dir=str(run_dir))
-        _check_same_run(saved, cfg, ckpt)
-        return cls(cfg, _resume=ckpt, **kwargs)
+        pairs = _pairs(overrides, {k: kwargs.pop(k) for k in list(kwargs) if k not in ("log", "callbacks")})
+        run = run_dir if isinstance(run_dir, RunFolder) else RunFolder.existing(run_dir)  # or a UserError saying what is wrong
+        return cls(run.config(pairs), run=run, **kwargs)
 
     # ------------------------------------------------------------------ the pieces
     @property
@@ -264,16 +227,16 @@ class MarftTrainer:
     @property
     def checkpoint(self) -> Path | None:
         """The checkpoint this trainer resumed from, or None."""
-        return self._checkpoint
+        return self.run.checkpoint
 
     def stop(self) -> None:
         """Ask :meth:`train` to stop after the current iteration (it saves a checkpoint first)."""
-        self._stop = True
+        self.training.stopping = True
 
     @property
     def stopping(self) -> bool:
         """:meth:`stop` was called: :meth:`train` returns after the current iteration."""
-        return self._stop
+        return self.training.stopping
 
     def step(self) -> dict:
         """One iteration (rollout, targets, critic and policy updates); returns its metrics."""
@@ -286,20 +249,7 @@ class MarftTrainer:
     def evaluate(self, tag: str | None = None, without: Iterable[str] = ()) -> dict:
         """The team as it is now on the held-out problems; with a ``tag`` the result is also
         written to ``<run>/eval_<tag>.json``."""
-        from .run.evaluation import write_json, evaluate as run_evaluation
-
-        if self._num is None:
-            self._num = _num_problems(self.make_env) or 0
-        without = tuple(without)
-        part = self.team.without(without) if without else self.team
-        make_env = env_factory(self.config, part) if without else self.make_env
-        res = run_evaluation(self.config, part, self.trainer.engine, make_env, self._num or None)
-        res["iteration"] = self.trainer.iteration
-        res["without"] = list(without)
-        res["machine"] = _machine(self.models)
-        if tag is not None:
-            write_json(res, self.run_dir / f"eval_{tag}.json")
-        return res
+        return self.training.evaluate(tag, without)
 
     # ------------------------------------------------------------------ the whole run
     def train(self) -> TrainResult:
@@ -307,142 +257,19 @@ class MarftTrainer:
         checkpoints every ``train.save_every`` and evaluations every ``train.eval_every``, then
         evaluate the trained team (and, with ``eval.ablate``, the team without each read agent).
         Writes metrics.jsonl, TensorBoard and the trackers of ``log:``; resumes where it stopped."""
-        from .run.evaluation import write_json
-        from .run.trackers import Trackers
-        from .run.checkpoints import append_metrics, latest_checkpoint, read_metrics, truncate_metrics
-
-        cfg, run_dir, resumed = self.config, self.run_dir, self._checkpoint is not None
-        run_dir.mkdir(parents=True, exist_ok=True)
-        # a tracker that cannot start stops the run here, before anything in the run folder changes
-        trackers = Trackers(cfg, run_dir, self.trainer.iteration + 1 if resumed else None)
-        metrics_path = run_dir / "metrics.jsonl"
-        untrained = None
-        try:
-            save_config(cfg, run_dir / "config.yaml")
-            _record_machine(run_dir, self.models, self.trainer.iteration)
-            if resumed:
-                truncate_metrics(metrics_path, self.trainer.iteration)
-                self._log(f"resumed {run_dir} at iteration {self.trainer.iteration} from {self._checkpoint.name}")
-            else:
-                metrics_path.unlink(missing_ok=True)
-                self._log(f"marft train: {cfg.train.algorithm}, team {' -> '.join(self.team.names)}"
-                          f"{' (shared adapter)' if cfg.team.share_adapter else ''}, {cfg.train.iterations} iterations "
-                          f"x {cfg.rollout.episodes} episodes, run folder {run_dir}")
-            compiled = [name for name, on in (("rollout.compile", cfg.rollout.compile), ("train.compile", cfg.train.compile)) if on]
-            if compiled:  # else the first evaluation or iteration looks stuck for minutes
-                self._log(f"{' and '.join(compiled)}: the first calls of each agent compile with torch.compile "
-                          "(a minute or more on a CPU), later ones run compiled")
-            if not resumed:
-                if cfg.eval.before or cfg.train.iterations == 0:
-                    untrained = self._run_eval("untrained", trackers)
-            start, done_here = time.perf_counter(), 0
-            while self.trainer.iteration < cfg.train.iterations and not self._stop:
-                m = self.trainer.iteration_step()
-                done_here += 1
-                append_metrics(metrics_path, m)
-                trackers.log_metrics(m, m["iteration"])
-                left = (time.perf_counter() - start) / done_here * (cfg.train.iterations - self.trainer.iteration)
-                self._log(progress_line(m, cfg.train.iterations, left))
-                for cb in self.callbacks:
-                    _call(cb, "on_iteration", self, m)
-                last = self.trainer.iteration == cfg.train.iterations
-                if self.trainer.iteration % cfg.train.save_every == 0 or last or self._stop:
-                    self.trainer.save()
-                if cfg.train.eval_every and self.trainer.iteration % cfg.train.eval_every == 0 and not last:
-                    self._run_eval(f"iter_{self.trainer.iteration:06d}", trackers)
-            result = TrainResult(run_dir, read_metrics(metrics_path), untrained, None, self._adapters(), stopped=self._stop)
-            if self._stop:
-                if latest_checkpoint(run_dir) is None:  # stopped before the first iteration's end (the untrained evaluation)
-                    self.trainer.save()
-                    result.adapters = self._adapters()
-                self._log(f"stopped at iteration {self.trainer.iteration}; continue with: marft train --resume {run_dir}")
-                return result
-            if self.trainer.iteration == 0 and (run_dir / "eval_untrained.json").is_file():  # a baseline run
-                result.final = json.loads((run_dir / "eval_untrained.json").read_text())
-                write_json(result.final, run_dir / "eval_final.json")
-            else:
-                result.final = self._run_eval("final", trackers)
-            if cfg.eval.ablate and is_workflow(cfg):
-                self._log("eval.ablate: not for a workflow task (the program decides whom it calls)")
-            elif cfg.eval.ablate:
-                read = [a.name for a in self.team.agents if any(a.name in b.sees for b in self.team.agents)]
-                groups = [(a,) for a in read]
-                graded = self.team.answering[-1]
-                others = tuple(n for n in self.team.names if n != graded)
-                if len(others) > 1 and others not in groups:  # and the graded agent alone
-                    groups.append(others)
-                for names in groups:
-                    label = "+".join(names)
-                    result.ablations[label] = self._run_eval(f"final_without_{label}", trackers, names)
-            return result
-        finally:
-            trackers.close()
-
-    def _run_eval(self, tag: str, trackers, without: tuple = ()) -> dict:
-        t0 = time.perf_counter()
-        res = self.evaluate(tag, without)
-        trackers.log_eval(tag, res, self.trainer.iteration)
-        lo, hi = res["ci95"]
-        per_task = "".join(f", {task} {100 * r['accuracy']:.1f}%" for task, r in (res.get("tasks") or {}).items())
-        mean = " (macro mean over tasks)" if per_task else ""
-        failed = f", {res['failed_episodes']} episodes failed (counted unsolved)" if res.get("failed_episodes") else ""
-        self._log(f"eval {tag}: accuracy{mean} {100 * res['accuracy']:.1f}% (95% CI {100 * lo:.1f}-{100 * hi:.1f}){per_task}, "
-                  f"{res['problems']}x{res['samples']} problems{failed}, {time.perf_counter() - t0:.0f} s")
-        for cb in self.callbacks:
-            _call(cb, "on_evaluate", self, tag, res)
-        return res
-
-    def _adapters(self) -> Path | None:
-        from .run.checkpoints import latest_checkpoint
-
-        ckpt = latest_checkpoint(self.run_dir)
-        return ckpt / "adapters" if ckpt is not None else None
+        return self.training.train()
 
     def close(self) -> None:
         """Free the engine's processes and Ray's actors (safe to call twice)."""
-        trainer = getattr(self, "trainer", None)
-        if trainer is not None:
-            trainer.close()
+        training = getattr(self, "training", None)
+        if training is not None:
+            training.close()
 
     def __enter__(self) -> "MarftTrainer":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _call(callback, method: str, *args) -> None:
-    """A callback object's ``method(trainer, ...)``, or a plain function ``f(metrics)`` for iterations."""
-    fn = getattr(callback, method, None)
-    if fn is not None:
-        fn(*args)
-    elif method == "on_iteration" and callable(callback):
-        callback(args[-1])
-
-
-def progress_line(m: dict, total: int, left_s: float) -> str:
-    ent = m.get("entropy", next((v for k, v in m.items() if k.endswith("/entropy")), float("nan")))
-    kl = m.get("approx_kl", next((v for k, v in m.items() if k.endswith("/approx_kl")), float("nan")))
-    per_task = "".join(f" {k.split('/')[1]} {100 * v:.0f}%" for k, v in m.items() if k.startswith("tasks/") and k.endswith("/accuracy"))
-    return (f"it {m['iteration']:>4}/{total}  reward {m['reward']:.3f}  acc {100 * m['accuracy']:5.1f}%{per_task}  "
-            f"kl {kl:.4f}  entropy {ent:.3f}  {m['tokens_per_s']:.0f} tok/s  "
-            f"MFU {100 * m.get('mfu/iteration', 0.0):.0f}%  {m['seconds']:.0f} s/it  left {left_s / 60:.1f} min")
-
-
-def _check_same_run(saved: RunConfig, cfg: RunConfig, ckpt: Path) -> None:
-    """What a resumed run may not change: its team, adapters, algorithm and LoRA shape (the
-    checkpoint holds the weights and optimiser states of exactly those)."""
-    from .team import build_team
-
-    old, new = build_team(saved.team), build_team(cfg.team)
-    lo_a, lo_b = saved.model.lora, cfg.model.lora
-    for what, a, b in [("team.preset", saved.team.preset, cfg.team.preset), ("the team's agents", old.names, new.names),
-                       ("team.share_adapter", saved.team.share_adapter, cfg.team.share_adapter),
-                       ("the adapters", old.adapters, new.adapters), ("train.algorithm", saved.train.algorithm, cfg.train.algorithm),
-                       ("model.lora", (lo_a.r, lo_a.alpha, lo_a.target_modules), (lo_b.r, lo_b.alpha, lo_b.target_modules))]:
-        if a != b:
-            raise UserError(f"--resume cannot change {what} ({a} -> {b}): {ckpt} holds the weights of the run as it was; "
-                            "drop that override, or start a new run with another output_dir=...")
 
 
 # --------------------------------------------------------------------------------------------
@@ -457,7 +284,7 @@ class TrainedTeam:
         from .engines.models import TeamModel
         from .team import build_team
 
-        _quiet_libraries()
+        quiet_libraries()
         self.config = config
         self.team = build_team(config.team)
         self._models = TeamModel(self.team, config.model)

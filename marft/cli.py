@@ -129,7 +129,8 @@ def cmd_eval(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .api import adapters_folder, evaluate
-    from .run.assemble import config_file, output_file, task_label
+    from .run.assemble import task_label
+    from .run.folder import config_file, output_file
     from .run.config import load_config
     from .run.evaluation import format_table, write_json
 
@@ -172,7 +173,8 @@ def cmd_serve(args) -> int:
     import threading
 
     from .api import adapters_folder, team_server
-    from .run.assemble import config_file, prepare
+    from .run.assemble import prepare
+    from .run.folder import config_file
     from .run.config import load_config
 
     cfg = load_config(config_file(args.config, "serve"), args.overrides)
@@ -205,7 +207,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_env_check(args) -> int:
-    from .run.config import _split_override
+    from .run.config import split_override
     from .envs.check import SHIPPED, load_env_class, main_check
     from .run.workflow_check import is_workflow_config, looks_like_workflow, main_check_workflow
 
@@ -219,7 +221,7 @@ def cmd_env_check(args) -> int:
 
             check_workflow(fn, args.env)  # workflow(problem, client): a wrong signature is one line, now
             return main_check_workflow(args.env, list(args.options), args.episodes)
-    options = dict(_split_override(o, "env-check option", "seed=1") for o in args.options)
+    options = dict(split_override(o, "env-check option", "seed=1") for o in args.options)
     return main_check(args.env, options)
 
 

@@ -19,27 +19,30 @@ from .errors import UserError
 def cmd_train(args) -> int:
     from rich.console import Console
 
-    from .api import MarftTrainer, load_config
+    from .api import MarftTrainer
+    from .run.config import load_config
 
     console = Console(stderr=True, soft_wrap=True)  # log lines are not wrapped at 80 columns when piped
 
     def log(message: str) -> None:
         console.print(message, markup=False, highlight=False)
 
-    from .run.assemble import check_new_run_dir, config_file
+    from .run.folder import RunFolder, config_file
 
     if args.resume:
         given = args.config if args.config and "=" not in args.config else None
         overrides = [*([args.config] if args.config and not given else []), *args.overrides]
+        run = RunFolder.existing(args.resume)
+        cfg = run.config(overrides)  # the saved config and the overrides
         if given:  # marft train CONFIG --resume RUN: CONFIG must be the run's own
-            _check_given_config(config_file(given, "train"), overrides, args.resume)
-        trainer = MarftTrainer.resume(args.resume, overrides, log=log)
+            run.check_given_config(load_config(config_file(given, "train"), [*overrides, ("output_dir", str(run.path))]), given, cfg)
+        trainer = MarftTrainer(cfg, run=run, log=log)
     else:
         if not args.config:
             raise UserError("marft train needs a config file (e.g. configs/duo_arithmetic.yaml) or --resume RUN_DIR")
         cfg = load_config(config_file(args.config, "train"), args.overrides)
-        check_new_run_dir(Path(cfg.output_dir), args.config)  # before the models load: nothing to overwrite
-        trainer = MarftTrainer(cfg, log=log)
+        # before the models load: nothing to overwrite, not even the config file given
+        trainer = MarftTrainer(cfg, run=RunFolder.new(cfg.output_dir, args.config), log=log)
     atexit.register(trainer.close)  # a vllm engine's worker processes, Ray's actors
 
     def on_stop(signum, frame):
@@ -62,40 +65,6 @@ def cmd_train(args) -> int:
         return 130
     _print_comparison(result.run_dir, result.final, result.adapters)
     return 0
-
-
-def _check_given_config(given: str, overrides: list[str], run_dir: str) -> None:
-    """``marft train CONFIG --resume RUN``: the run continues with its own saved config (and the
-    overrides), so CONFIG, with the same overrides, must be that config; a one-line error names
-    the first keys where it is not, and how to make the change instead."""
-    from .api import _check_same_run, _flatten, load_config
-    from .run.checkpoints import resume_checkpoint
-    from .run.config import to_dict
-
-    ckpt = resume_checkpoint(run_dir)
-    saved = load_config(ckpt / "config.yaml", output_dir=str(run_dir))
-    run_cfg = load_config(saved, overrides, output_dir=str(run_dir))
-    cfg = load_config(given, overrides, output_dir=str(run_dir))
-    _check_same_run(saved, cfg, ckpt)  # the team, adapters, algorithm and LoRA shape: their own message
-
-    def flat(c) -> dict:  # {"model.lora.r": 8, ...}
-        return dict(kv for k, v in to_dict(c).items() for kv in (_flatten(v, k) if isinstance(v, dict) and v else [(k, v)]))
-
-    a, b = flat(run_cfg), flat(cfg)
-    differ = [k for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
-    if differ:
-        shown = "; ".join(f"{k}: {a.get(k)!r} in the run, {b.get(k)!r} in {given}" for k in differ[:3])
-        more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
-        raise UserError(f"{given} is not the config of run {run_dir} ({ckpt / 'config.yaml'}): {shown}{more}; --resume continues "
-                        f"the run with its own config: give a change as an override ({differ[0]}={_value(b.get(differ[0]))}), "
-                        f"or leave {given} out")
-
-
-def _value(v) -> str:
-    """``v`` as it is written on the command line (YAML, flow style)."""
-    import yaml
-
-    return v if isinstance(v, str) else yaml.safe_dump(v, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
 
 
 def _print_comparison(run_dir: Path, final: dict, adapters: Path | None = None) -> None:

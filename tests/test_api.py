@@ -239,7 +239,7 @@ def test_stopped_during_the_untrained_evaluation_resumes(vowel, tmp_path):
 
 def test_a_trackers_files_alone_do_not_block_a_new_run(vowel, tmp_path):
     # a tracker that failed to start (wandb not logged in) left tensorboard/ behind, nothing else
-    from marft.run.assemble import check_new_run_dir
+    from marft.run.folder import check_new_run_dir
     run = tmp_path / "run"
     (run / "tensorboard").mkdir(parents=True)
     (run / "tensorboard" / "events.out.tfevents.1").write_bytes(b"x")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from marft.cli import main
-from marft.run.evaluation import accuracy_interval, wilson_interval
+from marft.maths.stats import accuracy_interval, wilson_interval
 
 
 def test_wilson_interval_hand_values():

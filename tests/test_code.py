@@ -6,7 +6,7 @@ import os
 import pytest
 
 from marft.envs.code import CodeEnv, CodeProblem, extract_code, load_humaneval, load_mbpp, run_tests
-from marft.run.evaluation import pass_at_k
+from marft.maths.stats import pass_at_k
 from marft.errors import UserError
 from marft.envs.sandbox import Limits, Sandbox
 

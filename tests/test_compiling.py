@@ -10,7 +10,7 @@ import torch
 
 from test_generation import CHATS
 from test_merged import duo  # noqa: F401 -- the fixture: two agents whose adapters change the replies
-from marft import compiling, packing
+from marft.engines import compiling, packing
 from marft.run.config import load_config
 from marft.engines import make_engine
 from marft.engines.hf import HFEngine

@@ -222,11 +222,11 @@ def test_adapters_trained_with_other_lora_settings_are_refused(capsys, tiny_over
 
 
 def test_wording_of_env_check_options_lookup_entries_and_model_files(capsys, tiny_overrides, tiny_model_dir, tmp_path):
-    from marft.run.config import _split_override
+    from marft.run.config import split_override
     from marft.envs.coop import CoopEnv
 
     with pytest.raises(UserError) as e:  # what marft env-check should call (marft/cli.py)
-        _split_override("badopt", "env-check option", "seed=1")
+        split_override("badopt", "env-check option", "seed=1")
     assert str(e.value) == "env-check option 'badopt' must look like key=value, e.g. seed=1"
     with pytest.raises(UserError) as e:
         CoopEnv(["speaker", "solver"], ["solver"], name="lookup", entries=0)

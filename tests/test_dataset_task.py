@@ -527,7 +527,7 @@ def test_team_learns_a_dataset_task(tiny_model_dir, vowel_env_path, tmp_path):
     learns, and its rewards are those of the class-based Vowel task (same prompt, same seeds), with
     the reward written for marft and written for TRL alike."""
     from marft.api import prepare
-    from marft.run.trainer import Trainer
+    from marft.assemble import build_trainer
 
     data = write_jsonl(tmp_path / "words.jsonl", [{"question": "Say a word."}] * 10)
     reward = tmp_path / "vowel_reward.py"
@@ -543,7 +543,7 @@ def test_team_learns_a_dataset_task(tiny_model_dir, vowel_env_path, tmp_path):
                  ["task.kind=dataset", f"task.dataset={data}", f"task.reward={reward}:vowel_trl", "task.answer_column="]):
         cfg = load_config("configs/duo_arithmetic.yaml", common + task)
         team, models, make_env = prepare(cfg)
-        tr = Trainer(cfg, team, models, make_env, log=lambda m: None)
+        tr = build_trainer(cfg, team, models, make_env, log=lambda m: None)
         curves.append([tr.iteration_step()["reward"] for _ in range(16)])
     rewards = curves[0]
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4

@@ -20,7 +20,10 @@ from marft.run.config import load_config
 from marft.errors import UserError
 from marft.turns import merge_rollouts
 from marft.run.checkpoints import latest_checkpoint
+from marft.assemble import build_trainer
+from marft.run.episodes import LocalEpisodes
 from marft.run.trainer import Trainer
+from marft.run.updates import LocalPolicy
 
 from test_train import snapshot, trainer_for, vowel_overrides  # noqa: F401 - fixtures
 
@@ -51,13 +54,20 @@ def close_actors():
 
 
 def distributed_for(overrides):
-    from marft.distributed import DistributedTrainer
+    """A trainer with the Ray parts (the config's cluster section asks for rollout workers)."""
+    from marft.distributed import RayEpisodes, RayPolicy
 
     cfg = load_config("configs/duo_arithmetic.yaml", overrides)
     team, models, make_env = prepare(cfg)
-    tr = DistributedTrainer(cfg, team, models, make_env, log=lambda m: None)
+    tr = build_trainer(cfg, team, models, make_env, log=lambda m: None)
     MADE.append(tr)
+    assert isinstance(tr.episodes, RayEpisodes) and isinstance(tr.policy, RayPolicy)
     return tr
+
+
+def digests(tr) -> dict:
+    """The adapter digests every rollout worker and every learner holds."""
+    return {"workers": tr.episodes.digests(), "learners": tr.policy.digests()}
 
 
 def comparable(m: dict) -> dict:
@@ -79,7 +89,7 @@ def test_shards_are_consecutive_and_balanced():
 
 def test_merged_shards_are_the_whole_batch(vowel_overrides):
     tr = trainer_for(vowel_overrides + SMALL + ["task.horizon=2"])
-    out = tr._rollout(0)
+    out = tr.play(0)
     E = len(out.steps)
     halves = [out.select(torch.arange(E) < 3), out.select(torch.arange(E) >= 3)]
     merged = merge_rollouts(halves, tr.team.names)
@@ -124,7 +134,7 @@ def test_one_worker_repeats_the_in_process_run_and_resumes(ray_cluster, vowel_ov
     assert got == expected
     mine, theirs = snapshot(resumed), snapshot(local)
     assert all(torch.equal(mine[a][k], theirs[a][k]) for a in mine for k in mine[a])
-    d = resumed.digests()
+    d = digests(resumed)
     assert d["workers"][0] == {a: d["learners"][a][0] for a in d["learners"]}
     resumed.close()
 
@@ -151,7 +161,7 @@ def test_two_workers_hold_the_learners_weights_and_the_team_learns(ray_cluster, 
     for _ in range(16):
         m = tr.iteration_step()
         rewards.append(m["reward"])
-        d = tr.digests()
+        d = digests(tr)
         learners = {a: ranks[0] for a, ranks in d["learners"].items()}
         assert d["workers"] == [learners, learners]  # every worker acts with the weights just learned
         assert m["distributed/rollout_workers"] == 2 and m["distributed/bytes_weights"] > 0
@@ -163,15 +173,15 @@ def test_two_workers_hold_the_learners_weights_and_the_team_learns(ray_cluster, 
 @pytest.mark.ray
 def test_data_parallel_learners_give_one_learners_gradients(ray_cluster, vowel_overrides):
     from marft.distributed.actors import Learner
-    from marft.distributed.driver import _job
+    from marft.run.learner import PolicyBatch
 
     overrides = vowel_overrides + SMALL + ["train.micro_batch_size=1"]  # 4 micro-batches: 2 per learner
     local = trainer_for(overrides)
-    out = local._rollout(0)
-    targets = local._targets(out)
-    plan = local._plan_policy(out, targets, local.team.names)
+    out = local.play(0)
+    targets = local.targets(out)
+    plan = local.plan_policy(out, targets, local.team.names)
     rows, orders = plan["adapters"]["solver"]
-    job = _job(out, plan["advantages"], rows, orders, 0, 2)
+    job = {"iteration": 0, "batch": PolicyBatch.of(out.turns, plan["advantages"], rows, orders), "n_adapters": 2}
     cfg = local.cfg
     one = Learner(cfg, "solver", threads=1).gradients(job)
     remote = ray_cluster.remote(Learner).options(num_cpus=0.5)
@@ -191,7 +201,7 @@ def test_data_parallel_learners_give_one_learners_gradients(ray_cluster, vowel_o
 
 @pytest.mark.ray
 def test_two_learners_per_adapter_train_as_one_through_the_trainer(ray_cluster, vowel_overrides):
-    """``cluster.learners_per_adapter=2`` through the real DistributedTrainer for three iterations:
+    """``cluster.learners_per_adapter=2`` through the real trainer with the Ray parts for three iterations:
     each adapter's two gloo learners (one micro-batch of each minibatch each, gradients summed)
     give the one-process run's metrics and weights, within float tolerance; both ranks and the
     worker hold the same weights."""
@@ -199,7 +209,7 @@ def test_two_learners_per_adapter_train_as_one_through_the_trainer(ray_cluster, 
     expected = [comparable(local.iteration_step()) for _ in range(3)]
     tr = distributed_for(vowel_overrides + SMALL + CLUSTER + ["cluster.learners_per_adapter=2", "cluster.learner_cpus=0.25"])
     got = [comparable(tr.iteration_step()) for _ in range(3)]
-    assert len(tr.learners["solver"]) == 2
+    assert len(tr.policy.learners["solver"]) == 2
     for e, g in zip(expected, got):
         # the behaviour/learner log-prob gap is reported from rank 0's micro-batches only (a half of them)
         e.pop("rollout/logprob_gap", None), g.pop("rollout/logprob_gap", None)
@@ -209,7 +219,7 @@ def test_two_learners_per_adapter_train_as_one_through_the_trainer(ray_cluster, 
             assert close or e[k] == g[k], (e["iteration"], k, e[k], g[k])
     mine, theirs = snapshot(tr), snapshot(local)
     assert all(torch.allclose(mine[a][k], theirs[a][k], rtol=1e-5, atol=1e-7) for a in mine for k in mine[a])
-    d = tr.digests()
+    d = digests(tr)
     assert all(len(set(ranks)) == 1 for ranks in d["learners"].values())  # the ranks agree
     assert d["workers"][0] == {a: ranks[0] for a, ranks in d["learners"].items()}
     tr.close()
@@ -260,7 +270,7 @@ def test_a_rollout_worker_that_dies_is_replaced_and_its_shard_replayed_exactly(r
     assert [comparable(first), comparable(second)] == expected  # the replay is exact
     mine, theirs = snapshot(tr), snapshot(local)
     assert all(torch.equal(mine[a][k], theirs[a][k]) for a in mine for k in mine[a])
-    d = tr.digests()
+    d = digests(tr)
     assert d["workers"][0] == {a: d["learners"][a][0] for a in d["learners"]}
     die.touch()  # restart 3 (allowed), then 4 while starting: past the cap
     broken.write_text("1")
@@ -275,7 +285,7 @@ def test_a_learner_that_dies_stops_the_run_with_its_checkpoint_intact(ray_cluste
     tr = distributed_for(vowel_overrides + SMALL + CLUSTER + [f"output_dir={tmp_path / 'run'}"])
     tr.iteration_step()
     ckpt = tr.save()
-    ray_cluster.kill(tr.learners["solver"][0])
+    ray_cluster.kill(tr.policy.learners["solver"][0])
     with pytest.raises(UserError, match=r"the learner of adapter solver died at iteration 2 .*checkpoint.*is intact: marft train --resume"):
         tr.iteration_step()
     assert latest_checkpoint(tmp_path / "run") == ckpt and (ckpt / "trainer.pt").is_file()
@@ -287,22 +297,20 @@ def test_train_command_on_ray_stopped_and_resumed_matches_one_process(ray_cluste
     """``marft train`` on Ray, stopped by Ctrl-C during iteration 1 (it writes a checkpoint and exits
     130) and continued with ``marft train --resume`` through the command line, ends as the
     one-process run that was never interrupted: metrics, weights and final evaluation."""
-    from marft.distributed import DistributedTrainer
-
     base = vowel_overrides + SMALL + ["train.iterations=2", "eval.problems=2", "eval.before=false"]
     assert main(["train", "configs/duo_arithmetic.yaml", *base, f"output_dir={tmp_path / 'local'}"]) == 0
-    step = DistributedTrainer.iteration_step
+    step = Trainer.iteration_step
 
-    def interrupted(self):  # Ctrl-C as iteration 1 begins
-        if self.iteration == 0:
+    def interrupted(self):  # Ctrl-C as iteration 1 of the Ray run begins
+        if self.iteration == 0 and self.cfg.cluster.rollout_workers > 0:
             os.kill(os.getpid(), signal.SIGINT)
         return step(self)
 
-    monkeypatch.setattr(DistributedTrainer, "iteration_step", interrupted)
+    monkeypatch.setattr(Trainer, "iteration_step", interrupted)
     ray_run = tmp_path / "ray"
     assert main(["train", "configs/duo_arithmetic.yaml", *base, *CLUSTER, f"output_dir={ray_run}"]) == 130
     assert latest_checkpoint(ray_run).name == "iter_000001" and not (ray_run / "eval_final.json").exists()
-    monkeypatch.setattr(DistributedTrainer, "iteration_step", step)
+    monkeypatch.setattr(Trainer, "iteration_step", step)
     assert main(["train", "--resume", str(ray_run)]) == 0
     read = lambda d: [comparable(json.loads(x)) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
     assert len(read("ray")) == 2 and read("ray") == read("local")
@@ -325,6 +333,7 @@ def test_more_gpus_than_the_cluster_has_is_one_line(ray_cluster, vowel_overrides
 def test_local_trainer_is_untouched_by_the_cluster_section(vowel_overrides):
     tr = trainer_for(vowel_overrides + SMALL)
     assert type(tr) is Trainer and tr.cfg.cluster.rollout_workers == 0
+    assert type(tr.episodes) is LocalEpisodes and type(tr.policy) is LocalPolicy  # no Ray part
 
 
 @pytest.mark.ray
@@ -340,7 +349,7 @@ def test_colocated_learners_share_one_placement_group(ray_cluster, vowel_overrid
 
 def test_an_actors_cause_of_death_is_named():
     """An actor that died of an error in its constructor: the run's one line names that error."""
-    from marft.distributed.driver import _cause
+    from marft.distributed.parts import _cause
 
     msg = ("The actor died because of an error raised in its creation task, ray::Learner.__init__()\n"
            "Traceback (most recent call last):\n  File \"actors.py\", line 29, in _build\n"
@@ -350,15 +359,15 @@ def test_an_actors_cause_of_death_is_named():
 
 
 def test_a_replacement_worker_that_dies_while_starting_is_replaced_too(monkeypatch):
-    """_replace_worker with stand-ins for Ray and the actors: the first replacement dies while
-    loading the adapters, the second takes them; both count as restarts, and past
+    """RayEpisodes._replace_worker with stand-ins for Ray and the actors: the first replacement dies
+    while loading the adapters, the second takes them; both count as restarts, and past
     cluster.max_worker_restarts the run stops with one line naming the cause."""
     import types
 
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'marft[ray]')")
     import ray.exceptions
 
-    from marft.distributed import driver
+    from marft.distributed import parts
 
     class Call:
         def __init__(self, ok, why=""):
@@ -387,13 +396,14 @@ def test_a_replacement_worker_that_dies_while_starting_is_replaced_too(monkeypat
             return None
 
     fake = FakeRay()
-    monkeypatch.setattr(driver, "_ray", lambda: fake)
-    t = driver.DistributedTrainer.__new__(driver.DistributedTrainer)
+    monkeypatch.setattr(parts, "_ray", lambda: fake)
+    t = parts.RayEpisodes.__new__(parts.RayEpisodes)
     fresh = iter([Worker(False), Worker(True), Worker(False), Worker(False)])
     lines: list = []
     t.cfg = types.SimpleNamespace(cluster=types.SimpleNamespace(max_worker_restarts=3))
-    t.restarts, t.iteration, t.version, t.run_dir, t.log = 0, 4, 7, "runs/r", lines.append
-    t.team = types.SimpleNamespace(adapters=["planner", "solver"])
+    t.cluster = types.SimpleNamespace(iteration=4, run_dir="runs/r", log=lines.append,
+                                      team=types.SimpleNamespace(adapters=["planner", "solver"]))
+    t.restarts, t.version = 0, 7
     t.models = types.SimpleNamespace(adapter_state=lambda a: {"w": a})
     t._new_worker = lambda: next(fresh)
     dead = Worker(True)

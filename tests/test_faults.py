@@ -14,7 +14,7 @@ from marft.run.config import load_config
 from marft.engines.generation import Sampling
 from marft.run.rollout import Rollout, Turn, rollout
 from marft.run.checkpoints import latest_checkpoint
-from marft.run.trainer import Trainer
+from marft.assemble import build_trainer
 
 ENVS = '''
 import time
@@ -150,9 +150,9 @@ def test_training_leaves_failed_episodes_out(tiny_model_dir, env_file, tmp_path,
                      extra=[f"train.algorithm={algorithm}", "train.group_size=4"])
     cfg, team, models, make_env = setup(over)
     messages = []
-    trainer = Trainer(cfg, team, models, make_env, log=messages.append)
+    trainer = build_trainer(cfg, team, models, make_env, log=messages.append)
     # training problems are drawn at random: mark two episodes as failed, as the rollout would
-    original = trainer._rollout
+    original = trainer.play
 
     def rigged(it):
         out = original(it)
@@ -161,15 +161,15 @@ def test_training_leaves_failed_episodes_out(tiny_model_dir, env_file, tmp_path,
             out.infos[e] = {"success": False, "extracted": False, "error": "ValueError: broke"}
         return out
 
-    trainer._rollout = rigged
+    trainer.play = rigged
     kept = {}
-    original_targets = trainer._targets
+    original_targets = trainer.targets
 
     def spy(out):
         kept["episodes"] = len(out.steps)
         return original_targets(out)
 
-    trainer._targets = spy
+    trainer.targets = spy
     m = trainer.iteration_step()
     assert m["episodes/failed"] == 2
     assert kept["episodes"] == left  # grpo drops the whole group of 4 that held them

@@ -3,7 +3,7 @@ figure, and named in words."""
 import pytest
 import torch
 
-from marft import flops
+from marft.engines import flops
 from marft.errors import UserError
 
 

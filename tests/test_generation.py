@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from marft.engines.flops import model_shape
-from marft.engines.generation import (_CACHE, Sampling, _common_prefix, _filter, _positions, _ReservedLayer, _sample,
+from marft.engines.generation import (_CACHE, Sampling, _common_prefix, _filter, positions_of, _ReservedLayer, _sample,
                               _stop_string_hit, encode_chats, generate, sequence_logprobs)
 from marft.engines.models import load_base
 
@@ -71,7 +71,7 @@ def plain_generate(model, tok, chats, sampling, stop_ids, generator):
     ids, pmask = encode_chats(tok, chats, "cpu")
     B, temp = len(chats), sampling.temperature if sampling.temperature > 0 else 1.0
     mask = pmask.long()
-    out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True, logits_to_keep=1)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions_of(mask), use_cache=True, logits_to_keep=1)
     past, logits = getattr(out, _CACHE), out.logits[:, -1]
     tokens, logps, valid = [], [], []
     done = torch.zeros(B, dtype=torch.bool)
@@ -94,7 +94,7 @@ def plain_generate(model, tok, chats, sampling, stop_ids, generator):
         if bool(done.all()):
             break
         mask = torch.cat([mask, live.long()[:, None]], 1)
-        out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=_positions(mask)[:, -1:],
+        out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=positions_of(mask)[:, -1:],
                     use_cache=True, **{_CACHE: past})
         past, logits = getattr(out, _CACHE), out.logits[:, -1]
     return ids, pmask, torch.stack(tokens, 1), torch.stack(valid, 1), torch.stack(logps, 1)

@@ -91,7 +91,7 @@ def test_a_run_saved_on_one_device_resumes_on_the_other(tiny_overrides, tmp_path
 
 
 def test_the_mfu_rate_on_a_gpu_is_a_large_product(on_gpu):
-    from marft import flops
+    from marft.engines import flops
 
     model, _, _ = on_gpu
     assert flops.rate_size(next(model.parameters()).device) == 8192

@@ -8,13 +8,12 @@ import pickle
 import pytest
 import torch
 
-from marft import losses
+from marft.maths import losses
 from marft.api import prepare
 from marft.run.config import load_config
 from marft.distributed.actors import Learner
-from marft.distributed.driver import _job
 from marft.run.learner import AdapterLearner, PolicyBatch, UpdateStats, metric_prefix
-from marft.run.trainer import Trainer
+from marft.assemble import build_trainer
 
 
 @pytest.fixture
@@ -29,9 +28,9 @@ def planned(overrides, trained=None):
     """A trainer, its first rollout and the plan of its policy update (every random choice made)."""
     cfg = load_config("configs/duo_arithmetic.yaml", overrides)
     team, models, make_env = prepare(cfg)
-    tr = Trainer(cfg, team, models, make_env, log=lambda m: None)
-    out = tr._rollout(0)
-    plan = tr._plan_policy(out, tr._targets(out), trained or team.names)
+    tr = build_trainer(cfg, team, models, make_env, log=lambda m: None)
+    out = tr.play(0)
+    plan = tr.plan_policy(out, tr.targets(out), trained or team.names)
     return tr, out, plan
 
 
@@ -108,19 +107,50 @@ def test_skipped_updates_are_reported_as_they_happen(overrides, monkeypatch):
     assert same(before, weights(tr.models, "solver"))
 
 
-def test_the_ray_learner_updates_exactly_as_the_trainer_does(overrides):
+def test_the_ray_learner_updates_exactly_as_the_trainer_does(overrides, monkeypatch):
+    """The Ray policy part (marft.distributed.RayPolicy) sends each learner its adapter's batch as Ray
+    would (pickled: the padded turns only), and the learner (a plain object here) updates exactly as
+    the trainer's in-process learner: the same metrics, outcomes and weights."""
+    from types import SimpleNamespace
+
+    from marft.distributed import parts
+
     tr, out, plan = planned(overrides, trained=["solver"])
-    rows, orders = plan["adapters"]["solver"]
-    job = _job(out, plan["advantages"], rows, orders, 0, len(plan["adapters"]))
-    job["batch"].packed_rows()
-    job = pickle.loads(pickle.dumps(job))  # as Ray sends it: the padded turns only
-    assert job["batch"].packed is None
+    targets = tr.targets(out)
+    start = weights(tr.models, "solver")
     actor = Learner(tr.cfg, "solver", threads=torch.get_num_threads())
     assert isinstance(actor.learner, AdapterLearner) and not hasattr(actor, "trainer")  # no Trainer inside
-    actor.load(tr.models.adapter_state("solver"), copy.deepcopy(tr.policy_opt["solver"].state_dict()))
-    res = actor.update(job)
-    stats = tr._update_policy(out, tr._targets(out), ["solver"])  # the same plan: seeded by the iteration
-    assert res["metrics"] == {k: v for k, v in stats.items() if k.startswith("solver/")}
+    actor.load(start, copy.deepcopy(tr.policy.learners["solver"].optimizer.state_dict()))
+    local_stats, local_updated = tr.update_policy(out, targets, ["solver"])  # the same plan: seeded by the iteration
+    local_weights = weights(tr.models, "solver")
+
+    sent, results = [], []
+
+    def put(job):  # what Ray's store holds: the job as pickled, its packed rows left out
+        job["batch"].packed_rows()
+        sent.append(pickle.loads(pickle.dumps(job)))
+        return sent[-1]
+
+    def update(job):
+        results.append(actor.update(job))
+        return results[-1]
+
+    monkeypatch.setattr(parts, "_ray", lambda: SimpleNamespace(put=put))
+    cluster = SimpleNamespace(bytes=dict.fromkeys(("learner_in", "learner_out"), 0), log=tr.log,
+                              get=lambda refs, what: list(refs))
+    ray_policy = parts.RayPolicy.__new__(parts.RayPolicy)
+    ray_policy.cluster, ray_policy.cfg, ray_policy.models = cluster, tr.cfg, tr.models
+    ray_policy.learners = {"solver": [SimpleNamespace(update=SimpleNamespace(remote=update))]}
+    tr.models.load_adapter_state("solver", start)
+    tr.policy = ray_policy
+    stats, updated = tr.update_policy(out, targets, ["solver"])
+
+    (job,) = sent
+    assert job["batch"].packed is None and job["iteration"] == 0 and job["n_adapters"] == 1
+    (res,) = results
+    assert res["metrics"] == {k: v for k, v in local_stats.items() if k.startswith("solver/")}
     assert isinstance(res["stats"], UpdateStats) and res["stats"].outcomes == [True] * 4
-    assert same(res["state"], weights(tr.models, "solver"))
+    assert same(res["state"], local_weights) and same(weights(tr.models, "solver"), local_weights)
+    assert stats == local_stats and updated == local_updated == ["solver"]
+    assert cluster.bytes["learner_in"] > 0 and cluster.bytes["learner_out"] > 0
     assert actor.digest() != "" and res["messages"] == []

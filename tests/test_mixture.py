@@ -17,9 +17,11 @@ from marft.api import env_factory, prepare
 from marft.run.checkpoints import latest_checkpoint
 from marft.cli import main
 from marft.run.config import load_config
-from marft.envs.mixture import MixtureEnv, MixtureFactory, draw_tasks, macro_interval, weight_at
+from marft.envs.mixture import MixtureEnv, MixtureFactory, draw_tasks, weight_at
 from marft.errors import UserError
+from marft.maths.stats import macro_interval
 from marft.run.rollout import Rollout, Turn
+from marft.assemble import build_trainer
 from marft.run.trainer import Trainer
 
 from conftest import VOWEL_ENV
@@ -74,7 +76,7 @@ def torch_threads():
 def trainer_for(overrides) -> Trainer:
     cfg = load_config("configs/duo_arithmetic.yaml", overrides)
     team, models, make_env = prepare(cfg)
-    return Trainer(cfg, team, models, make_env, log=lambda m: None)
+    return build_trainer(cfg, team, models, make_env, log=lambda m: None)
 
 
 # ---------------------------------------------------------------------------- the draw
@@ -104,17 +106,17 @@ def test_each_draw_is_within_one_of_its_share_and_the_mix_matches_the_weights():
 def test_the_trainer_draws_the_mix_by_weight_and_schedule_from_the_seed(envs_path, base, algorithm):
     over = [*base, mixture(envs_path), f"train.algorithm={algorithm}", "train.group_size=2"]
     tr = trainer_for(over)
-    counts = Counter(o["task"] for it in range(200) for _, o in tr._resets(it))
+    counts = Counter(o["task"] for it in range(200) for _, o in tr.resets(it))
     assert abs(counts["vowel"] / sum(counts.values()) - 0.75) < 0.01
-    assert tr._resets(3) == trainer_for(over)._resets(3)  # the same seed, the same draw
+    assert tr.resets(3) == trainer_for(over).resets(3)  # the same seed, the same draw
     plain = trainer_for([*base, "task.kind=custom", f"task.env={envs_path}:Vowel", "task.options={}",
                          f"train.algorithm={algorithm}", "train.group_size=2"])
-    assert [s for s, _ in tr._resets(5)] == [s for s, _ in plain._resets(5)]  # problem seeds as without a mixture
+    assert [s for s, _ in tr.resets(5)] == [s for s, _ in plain.resets(5)]  # problem seeds as without a mixture
     if algorithm == "grpo":  # a group is one problem of one task
-        resets = tr._resets(1)
+        resets = tr.resets(1)
         assert all(resets[i] == resets[i + 1] for i in range(0, len(resets), 2))
     faded = trainer_for([*base, mixture(envs_path, vowel="{0: 1, 10: 0}", digit=1)])
-    shares = [sum(o["task"] == "vowel" for _, o in faded._resets(it)) / 8 for it in (0, 5, 10, 20)]
+    shares = [sum(o["task"] == "vowel" for _, o in faded.resets(it)) / 8 for it in (0, 5, 10, 20)]
     assert shares[0] == 0.5 and 0.25 <= shares[1] <= 0.5 and shares[2] == shares[3] == 0.0
 
 
@@ -252,21 +254,21 @@ def test_ray_shards_a_mixed_batch_as_one_process_plays_it(envs_path, base, tmp_p
     same metrics, task counts included."""
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'marft[ray]')")
     from marft.distributed import shard
-    from marft.distributed.driver import shard_seed
+    from marft.distributed.parts import shard_seed
     from marft.turns import merge_rollouts
-    from marft.run.trainer import play
+    from marft.run.rollout import play
 
     over = [*base, mixture(envs_path)]
     local = trainer_for(over)
 
     def sharded(it):
-        parts = [play(local.cfg, local.team, local.engine, local.make_env, s, shard_seed(local.cfg, it, k))
-                 for k, s in enumerate(shard(local._resets(it), 2))]
+        parts = [play(local.cfg, local.team, local.engine, local.episodes.make_env, s, shard_seed(local.cfg, it, k))
+                 for k, s in enumerate(shard(local.resets(it), 2))]
         out = merge_rollouts(parts, local.team.names)
-        assert out.tasks == [o["task"] for _, o in local._resets(it)]  # each episode keeps its task
+        assert out.tasks == [o["task"] for _, o in local.resets(it)]  # each episode keeps its task
         return out
 
-    local._rollout = sharded
+    local.play = sharded
     expected = [comparable_metrics(local.iteration_step()) for _ in range(2)]
     got = ray_metrics("configs/duo_arithmetic.yaml", [*over, "cluster.rollout_workers=2", f"output_dir={tmp_path / 'd'}"])
     assert got == expected and got[0]["tasks/vowel/episodes"] == 6
@@ -278,16 +280,18 @@ def comparable_metrics(m: dict) -> dict:
 
 
 def ray_metrics(config: str, overrides: list[str], iterations: int = 2) -> list[dict]:
-    """The comparable metrics of ``iterations`` iterations of a DistributedTrainer on a local Ray
-    cluster of 2 CPUs (half a CPU per worker and learner), started and shut down here."""
+    """The comparable metrics of ``iterations`` iterations of a Ray trainer (Ray episodes and
+    policy) on a local Ray cluster of 2 CPUs (half a CPU per worker and learner), started and shut
+    down here."""
     import ray
 
-    from marft.distributed import DistributedTrainer
+    from marft.distributed import RayEpisodes, RayPolicy
 
     cfg = load_config(config, [*overrides, "cluster.worker_cpus=0.5", "cluster.learner_cpus=0.5"])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     try:
-        dist = DistributedTrainer(cfg, *prepare(cfg), log=lambda m: None)
+        dist = build_trainer(cfg, *prepare(cfg), log=lambda m: None)
+        assert isinstance(dist.episodes, RayEpisodes) and isinstance(dist.policy, RayPolicy)
         try:
             return [comparable_metrics(dist.iteration_step()) for _ in range(iterations)]
         finally:
@@ -430,7 +434,7 @@ def test_one_task_with_scaled_rewards_plays_whatever_its_weight(envs_path, base)
 
 
 def test_a_mixtures_interval_over_seeds_is_that_of_its_macro_mean():
-    from marft.experiments.report import _summary
+    from marft.experiments.report.build import summary
 
     def result(a: list[float], b: list[float]) -> dict:
         ta = {"accuracy": sum(a) / len(a), "per_problem_success": a, "ci95": [0, 1]}
@@ -438,8 +442,8 @@ def test_a_mixtures_interval_over_seeds_is_that_of_its_macro_mean():
         return {"accuracy": (ta["accuracy"] + tb["accuracy"]) / 2, "per_problem_success": a + b, "tasks": {"a": ta, "b": tb}}
 
     runs = [result([1, 0, 1, 1], [0] * 20), result([1, 1, 0, 1], [0] * 19 + [1])]
-    s = _summary(runs)
-    per_task = [_summary([r["tasks"][t] for r in runs]) for t in ("a", "b")]
+    s = summary(runs)
+    per_task = [summary([r["tasks"][t] for r in runs]) for t in ("a", "b")]
     assert s["mean"] == pytest.approx((0.75 + 0.025) / 2)
     assert s["ci95"] == macro_interval([{"accuracy": x["mean"], "ci95": x["ci95"]} for x in per_task])
     assert s["ci95"][0] < s["mean"] < s["ci95"][1]

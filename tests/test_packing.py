@@ -3,12 +3,12 @@ entropies, losses and gradients on a tiny float32 model; and the grouping helper
 import pytest
 import torch
 
-from marft import packing
+from marft.engines import packing
 from marft.api import prepare
 from marft.run.config import load_config
 from marft.engines.generation import sequence_logprobs
 from marft.run.learner import PolicyBatch
-from marft.run.trainer import Trainer
+from marft.assemble import build_trainer
 
 
 def test_micro_batches_group_similar_lengths_within_the_token_budget():
@@ -40,20 +40,20 @@ def _trainer(tiny_overrides, extra=()):
         for name, p in models.bases[next(iter(models.bases))].named_parameters():
             if "lora_B" in name and f".{adapter}." in name:
                 p.data.normal_(0, 0.3)
-    return Trainer(cfg, team, models, make_env, log=lambda m: None)
+    return build_trainer(cfg, team, models, make_env, log=lambda m: None)
 
 
 def test_fast_logprobs_and_entropy_equal_the_padded_pass(tiny_overrides):
     tr = _trainer(tiny_overrides)
-    out = tr._rollout(0)
+    out = tr.play(0)
     for t in out.turns:
         rows = packing.unpad(t.prompt_ids, t.prompt_mask, t.response_ids, t.response_mask)
         with torch.no_grad(), tr.models.acting(t.agent) as (model, _):
             plain = sequence_logprobs(model, t.prompt_ids, t.prompt_mask, t.response_ids, t.response_mask, 0.8)
             ids = torch.cat([t.prompt_ids, t.response_ids], 1)
             mask = torch.cat([t.prompt_mask, t.response_mask], 1).long()
-            from marft.engines.generation import _positions
-            z = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask),
+            from marft.engines.generation import positions_of
+            z = model(input_ids=ids, attention_mask=mask, position_ids=positions_of(mask),
                       logits_to_keep=t.response_ids.shape[1] + 1).logits[:, :-1].float() / 0.8
             plain_ent = -(z.log_softmax(-1).exp() * z.log_softmax(-1)).sum(-1) * t.response_mask
             for share in (True, False):
@@ -73,12 +73,12 @@ def _grads(tr, adapter):
 def test_fast_update_gives_the_plain_loss_and_gradients(tiny_overrides, algorithm, kl):
     tr = _trainer(tiny_overrides, [f"train.algorithm={algorithm}", f"train.kl_coef={kl}", "train.micro_batch_size=2",
                                    "train.micro_batch_tokens=64"])
-    out = tr._rollout(0)
-    targets = tr._targets(out)
-    adv = tr._normalised_advantages(out, targets)
+    out = tr.play(0)
+    targets = tr.targets(out)
+    adv = tr.normalised_advantages(out, targets)
     rows = [(i, r) for i, t in enumerate(out.turns) if t.agent == "solver" for r in range(len(t.episodes))]
     batch = PolicyBatch.of(out.turns, adv, rows, [rows])
-    learner = tr.policy_learners["solver"]
+    learner = tr.policy.learners["solver"]
     params = tr.models.adapter_parameters("solver")
     for p in params:
         p.requires_grad_(True)

@@ -12,13 +12,14 @@ import pytest
 import torch
 
 import marft.engines.hf
-from marft import losses
+from marft.maths import losses
 from conftest import VOWEL_ENV
 from marft.api import prepare
 from marft.cli import main
 from marft.run.config import load_config
 from marft.run.learner import AdapterLearner
 from marft.run.checkpoints import latest_checkpoint
+from marft.assemble import build_trainer
 from marft.run.trainer import Trainer
 
 ENVS = VOWEL_ENV + '''
@@ -41,7 +42,7 @@ def overrides(tiny_model_dir, tmp_path):
 def trainer_for(overrides, log=None):
     cfg = load_config("configs/duo_arithmetic.yaml", overrides)
     team, models, make_env = prepare(cfg)
-    return Trainer(cfg, team, models, make_env, log=log if log is not None else (lambda m: None))
+    return build_trainer(cfg, team, models, make_env, log=log if log is not None else (lambda m: None))
 
 
 def snapshot(trainer):
@@ -81,7 +82,7 @@ def poison_recomputed(monkeypatch):
 
 
 def poison_rollout(monkeypatch):
-    original = Trainer._rollout
+    original = Trainer.play
 
     def nan_rollout(self, it):
         out = original(self, it)
@@ -89,7 +90,7 @@ def poison_rollout(monkeypatch):
             t.logprobs[0, 0] = float("-inf")  # one row of each turn
         return out
 
-    monkeypatch.setattr(Trainer, "_rollout", nan_rollout)
+    monkeypatch.setattr(Trainer, "play", nan_rollout)
 
 
 @pytest.mark.parametrize("where,warning", [
@@ -186,10 +187,10 @@ def test_every_episode_rewarded_the_same(overrides, algorithm):
     env = next(o for o in overrides if o.startswith("task.env=")).replace(":Vowel", ":Never")
     tr = trainer_for(overrides + [env, f"train.algorithm={algorithm}", "train.group_size=4", "task.horizon=2"])
     before = snapshot(tr)
-    out = tr._rollout(0)
+    out = tr.play(0)
     assert (out.rewards == 0).all()
-    targets = tr._targets(out)
-    for a in tr._normalised_advantages(out, targets):
+    targets = tr.targets(out)
+    for a in tr.normalised_advantages(out, targets):
         assert torch.isfinite(a).all()
     m = tr.iteration_step()
     assert m["degenerate/same_reward"] == 1.0 and m["skipped/updates"] == 0 and finite_metrics(m)
@@ -242,15 +243,15 @@ def test_degenerate_counts_by_hand():
     turns = [SimpleNamespace(texts=["", "a", " \n", "b"], truncated=torch.tensor([True, False, False, False])),
              SimpleNamespace(texts=["c", "d", "e", "f"], truncated=torch.tensor([True, True, False, False]))]
     out = SimpleNamespace(rewards=rewards, turns=turns)
-    from marft.maths.algorithms import ALGORITHMS
+    from marft.run.trainer import degenerate_stats
 
-    grpo = SimpleNamespace(algo=ALGORITHMS["grpo"], cfg=SimpleNamespace(train=SimpleNamespace(group_size=4)))
-    stats = Trainer._degenerate_stats(grpo, out)
+    grpo = SimpleNamespace(train=SimpleNamespace(algorithm="grpo", group_size=4))
+    stats = degenerate_stats(grpo, out)
     assert stats == {"degenerate/same_reward": 0.5, "responses/empty": 2 / 8, "responses/truncated": 3 / 8}
-    marft_ = SimpleNamespace(algo=ALGORITHMS["marft"], cfg=grpo.cfg)
-    assert Trainer._degenerate_stats(marft_, out)["degenerate/same_reward"] == 0.0
+    marft_ = SimpleNamespace(train=SimpleNamespace(algorithm="marft", group_size=4))
+    assert degenerate_stats(marft_, out)["degenerate/same_reward"] == 0.0
     out.rewards = torch.zeros(8, 1)
-    assert Trainer._degenerate_stats(marft_, out)["degenerate/same_reward"] == 1.0
+    assert degenerate_stats(marft_, out)["degenerate/same_reward"] == 1.0
 
 
 def test_resume_uses_the_configs_learning_rates(overrides, tmp_path):
@@ -262,5 +263,5 @@ def test_resume_uses_the_configs_learning_rates(overrides, tmp_path):
     again = trainer_for(overrides + ["train.lr=1e-5", "train.critic_lr=2e-5"])
     again.load(path)
     assert again.iteration == 1
-    assert {g["lr"] for o in again.policy_opt.values() for g in o.param_groups} == {1e-5}
-    assert {g["lr"] for o in again.critic_opt.values() for g in o.param_groups} == {2e-5}
+    assert {g["lr"] for lr in again.policy.learners.values() for g in lr.optimizer.param_groups} == {1e-5}
+    assert {g["lr"] for o in again.critic.optimizers.values() for g in o.param_groups} == {2e-5}

@@ -7,7 +7,8 @@ import pytest
 
 from marft.cli import main
 from marft.run.config import load_config, save_config
-from marft.experiments.report import build_report, comparisons, find_runs, seed_interval, spearman, t_quantile_975, welch_interval
+from marft.experiments.report import build_report, comparisons, find_runs
+from marft.maths.stats import seed_interval, spearman, t_quantile_975, welch_interval
 
 
 def make_run(folder, seed, final, untrained=None, iterations=3, metrics=None, without=None, algorithm="marft", sweep_labels=None,
@@ -164,12 +165,13 @@ def test_report_command_writes_markdown_json_and_plots(sweep_dir, capsys):
 def test_a_mixtures_per_task_curves_are_labelled_as_tasks_not_agents(tmp_path, monkeypatch):
     import matplotlib.figure
 
-    from marft.experiments.report import RunInfo, _series, plot_curves
-    assert _series("tasks/arith/reward", "reward") == "task: arith"
-    assert _series("tasks/gsm8k/test/accuracy", "accuracy") == "task: gsm8k/test"
-    assert _series("planner/approx_kl", "approx_kl") == "agent: planner"
-    assert _series("value_loss/planner", "value_loss") == "agent: planner"
-    assert _series("reward", "reward") == ""
+    from marft.experiments.report import RunInfo, plot_curves
+    from marft.experiments.report.render import series_label
+    assert series_label("tasks/arith/reward", "reward") == "task: arith"
+    assert series_label("tasks/gsm8k/test/accuracy", "accuracy") == "task: gsm8k/test"
+    assert series_label("planner/approx_kl", "approx_kl") == "agent: planner"
+    assert series_label("value_loss/planner", "value_loss") == "agent: planner"
+    assert series_label("reward", "reward") == ""
     metrics = [{"iteration": i, "reward": 0.5, "accuracy": 0.5, "tasks/arith/reward": 0.4, "tasks/sum/reward": 0.6,
                 "tasks/arith/accuracy": 0.4, "tasks/arith/episodes": 3, "planner/approx_kl": 0.01} for i in (1, 2)]
     legends = []
@@ -238,7 +240,7 @@ def test_a_baseline_run_counts_its_one_evaluation_once(tmp_path):
 
 
 def test_learning_curve_against_training_minutes(tmp_path, capsys):
-    from marft.experiments.report import _evaluations
+    from marft.experiments.report.read import evaluations
 
     run = tmp_path / "main"
     make_run(run, 0, final=[1, 1, 1, 0], untrained=[0, 0, 1, 0], iterations=4)
@@ -246,7 +248,7 @@ def test_learning_curve_against_training_minutes(tmp_path, capsys):
     (run / "eval_iter_000002.json").write_text(json.dumps(mid))
     final = json.loads((run / "eval_final.json").read_text())
     (run / "eval_final.json").write_text(json.dumps({**final, "iteration": 4}))
-    assert [(e["iteration"], e["accuracy"]) for e in _evaluations(run)] == [(0, 0.25), (2, 0.5), (4, 0.75)]
+    assert [(e["iteration"], e["accuracy"]) for e in evaluations(run)] == [(0, 0.25), (2, 0.5), (4, 0.75)]
     out = tmp_path / "out"
     assert main(["report", str(run), "--out", str(out)]) == 0
     assert (out / "learning_main.png").is_file() and png_size(out / "learning_main.png") == (630, 360)

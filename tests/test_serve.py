@@ -405,7 +405,7 @@ def test_tool_calls_are_parsed_from_the_reply_and_other_blocks_stay_text():
 
 
 def test_tools_and_tool_turns_are_written_as_text_for_a_template_without_tools(team_parts):
-    from marft.engines.generation import _render
+    from marft.engines.generation import render_chat
     from marft.serving.serve import _messages, _tools
     from marft.serving.tool_calls import chat as tool_chat
 
@@ -424,7 +424,7 @@ def test_tools_and_tool_turns_are_written_as_text_for_a_template_without_tools(t
     assert rendered[2]["content"] == ('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
                                       '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>')
     assert rendered[3]["content"] == "<tool_response>\n3\n</tool_response>\n<tool_response>\n7\n</tool_response>"
-    assert "<tool_response>\n3\n</tool_response>" in _render(tok, rendered)
+    assert "<tool_response>\n3\n</tool_response>" in render_chat(tok, rendered)
     # no system message: the tools get one; tool_choice none: not shown, the tool turns still written
     assert tool_chat(messages[1:], _tools([ADD], None), tok)[0]["content"].startswith("# Tools")
     hidden = tool_chat(messages, _tools([ADD], "none"), tok)

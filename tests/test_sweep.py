@@ -367,7 +367,7 @@ def test_a_sigterm_to_the_sweep_reaches_its_runs(tmp_path):
     import threading
     import time
 
-    from marft import sweep as sw
+    from marft.experiments import sweep as sw
 
     script = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(130)); print('up', flush=True); time.sleep(60)"
     got = {}

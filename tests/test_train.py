@@ -13,7 +13,7 @@ from marft.api import prepare
 from marft.cli import main
 from marft.run.config import load_config
 from marft.run.checkpoints import latest_checkpoint
-from marft.run.trainer import Trainer
+from marft.assemble import build_trainer
 
 @pytest.fixture
 def vowel_overrides(tiny_model_dir, vowel_env_path, tmp_path):
@@ -28,7 +28,7 @@ def vowel_overrides(tiny_model_dir, vowel_env_path, tmp_path):
 def trainer_for(overrides):
     cfg = load_config("configs/duo_arithmetic.yaml", overrides)
     team, models, make_env = prepare(cfg)
-    return Trainer(cfg, team, models, make_env, log=lambda m: None)
+    return build_trainer(cfg, team, models, make_env, log=lambda m: None)
 
 
 def snapshot(trainer):
@@ -80,9 +80,9 @@ def test_token_level_returns_at_first_tokens_equal_action_level_returns(vowel_ov
     over = vowel_overrides + ["rollout.max_new_tokens=4", "task.horizon=2", "train.gamma=0.9", "train.lam=1"]
     action = trainer_for(over + ["train.algorithm=marft"])
     token = trainer_for(over + ["train.algorithm=marft-token", "train.gamma_token=1"])
-    out = action._rollout(0)
+    out = action.play(0)
     assert out.steps.max() == 2  # some episodes took a second step
-    for a, t in zip(action._targets(out), token._targets(out)):
+    for a, t in zip(action.targets(out), token.targets(out)):
         assert torch.allclose(t.returns[:, 0], a.returns, atol=1e-5)
 
 
@@ -191,9 +191,9 @@ def test_multi_agent_group_baselines_train_and_repeat_exactly(vowel_overrides, a
     for _ in range(2):
         tr = trainer_for(over)
         assert tr.heads == {}  # critic-free
-        out = tr._rollout(0)
+        out = tr.play(0)
         assert any(t.step == 1 for t in out.turns)  # some episodes took a second step
-        targets = tr._targets(out)
+        targets = tr.targets(out)
         expected = expected_group_advantages(algorithm, out, tr.team.names, 4)
         got = {(k, r): float(a) for k, tg in enumerate(targets) for r, a in enumerate(tg.advantages)}
         assert got.keys() == expected.keys()

@@ -128,13 +128,13 @@ def test_asynchronous_rollout_plays_the_barrier_rollouts_episodes(setup):
 def test_training_with_the_vllm_engine_serves_every_update(setup, tmp_path):
     """Two iterations of MARFT with the engine: each policy update reaches the engine as a new
     adapter version, and the learner's recomputed behaviour log-probabilities match the engine's."""
-    from marft.run.trainer import Trainer
+    from marft.assemble import build_trainer
 
     team, models, engine = setup
     cfg = load_config(None, ["model.dtype=float32", "model.device=cpu", "rollout.episodes=4", "rollout.max_new_tokens=8",
                              "rollout.temperature=1.0", "rollout.engine=vllm", "rollout.schedule=async", "train.minibatch_size=2",
                              "train.lr=1e-2", f"output_dir={tmp_path}"])
-    trainer = Trainer(cfg, team, models, lambda: Echo(team.names, team.answering, 1), log=lambda m: None, engine=engine)
+    trainer = build_trainer(cfg, team, models, lambda: Echo(team.names, team.answering, 1), log=lambda m: None, engine=engine)
     version = engine.version
     for _ in range(2):
         m = trainer.iteration_step()

@@ -453,11 +453,11 @@ def test_a_workflow_on_a_ray_rollout_worker_repeats_the_in_process_run(tiny_over
     from test_mixture import comparable_metrics, ray_metrics
     from marft.api import prepare
     from marft.run.config import load_config
-    from marft.run.trainer import Trainer
+    from marft.assemble import build_trainer
 
     over = [*tiny_overrides, "rollout.episodes=4", "train.minibatch_size=4", "train.micro_batch_size=2", "threads=1"]
     cfg = load_config("configs/workflow_duo.yaml", over)
-    local = Trainer(cfg, *prepare(cfg), log=lambda m: None)
+    local = build_trainer(cfg, *prepare(cfg), log=lambda m: None)
     expected = [comparable_metrics(local.iteration_step()) for _ in range(2)]
     got = ray_metrics("configs/workflow_duo.yaml", [*over, "cluster.rollout_workers=1", f"output_dir={tmp_path / 'd'}"])
     assert got == expected and got[0]["episodes/failed"] == 0
@@ -500,7 +500,7 @@ def test_a_workflow_reward_may_give_each_agent_its_own(tiny_overrides, tmp_path)
     team reward their mean); a mapping naming an agent the team lacks fails that episode alone."""
     from marft.api import prepare
     from marft.run.config import load_config
-    from marft.run.trainer import Trainer
+    from marft.assemble import build_trainer
 
     (tmp_path / "per_agent.py").write_text(
         "def split(answer, record):\n"
@@ -509,9 +509,9 @@ def test_a_workflow_reward_may_give_each_agent_its_own(tiny_overrides, tmp_path)
     data.write_text("".join(f'{{"question": "Calculate {i} + 1.", "answer": "{i + 1}"}}\n' for i in range(20)))
     cfg = load_config("configs/workflow_duo.yaml", [*tiny_overrides, f"task.dataset={data}",
                                                     f"task.reward={tmp_path / 'per_agent.py'}:split"])
-    tr = Trainer(cfg, *prepare(cfg), log=lambda m: None)
+    tr = build_trainer(cfg, *prepare(cfg), log=lambda m: None)
     resets = [(0, {"split": "train", "index": i}) for i in range(4)]
-    out = __import__("marft.run.trainer", fromlist=["play"]).play(cfg, tr.team, tr.engine, tr.make_env, resets, 0)
+    out = __import__("marft.run.rollout", fromlist=["play"]).play(cfg, tr.team, tr.engine, tr.episodes.make_env, resets, 0)
     assert out.failed.tolist() == [False, True, False, False]  # record 1's answer is "2": it names a "critic"
     assert "rewards for ['critic']" in out.infos[1]["error"]
     kept = ~out.failed

@@ -1,4 +1,4 @@
-"""The two kinds of Ray actor, as plain classes (:mod:`marft.distributed.driver` wraps them with
+"""The two kinds of Ray actor, as plain classes (:mod:`marft.distributed.parts` wraps them with
 ``ray.remote``): a rollout worker plays a shard of an iteration's episodes; a learner updates one
 adapter with :class:`marft.run.learner.AdapterLearner` (or, with ``cluster.learners_per_adapter`` > 1,
 its share of each minibatch, gradients summed over torch.distributed). Neither imports Ray: they
@@ -26,14 +26,14 @@ def _build(cfg, threads: int, with_env: bool, cwd: str = ""):
     the driver's working directory, where this machine has it (one machine, a shared file system)."""
     if cwd and os.path.isdir(cwd):
         os.chdir(cwd)
-    from ..run.assemble import _quiet_libraries, prepare
+    from ..run.assemble import prepare, quiet_libraries
     from ..engines.models import TeamModel
     from ..team import build_team
 
     cfg = dataclasses.replace(cfg, threads=threads)
     if with_env:
         return (cfg, *prepare(cfg))
-    _quiet_libraries()  # what prepare does, without building an environment a learner never uses
+    quiet_libraries()  # what prepare does, without building an environment a learner never uses
     torch.set_num_threads(threads)
     torch.manual_seed(cfg.seed)
     team = build_team(cfg.team)
@@ -69,7 +69,7 @@ class RolloutWorker:
 
     def play(self, resets: list, seed: int) -> tuple:
         """(the shard's Rollout, its size in bytes as pickled, which is what Ray moves)."""
-        from ..run.trainer import play
+        from ..run.rollout import play
 
         out = play(self.cfg, self.team, self.engine, self.make_env, resets, seed)
         return out, len(pickle.dumps(out))
@@ -84,7 +84,7 @@ class RolloutWorker:
 class Learner:
     """One adapter's learner (one of ``world`` data-parallel ones): an
     :class:`marft.run.learner.AdapterLearner` over this process's own copy of the model, updating on the
-    jobs the driver sends (:func:`marft.distributed.driver._job`)."""
+    jobs the driver sends (a dict: iteration, batch, n_adapters; :class:`marft.distributed.RayPolicy`)."""
 
     def __init__(self, cfg, adapter: str, threads: int, rank: int = 0, world: int = 1, cwd: str = ""):
         cfg, team, models, _ = _build(cfg, threads, with_env=False, cwd=cwd)

@@ -8,7 +8,7 @@ top-k / top-p truncation: the quantity a learner recomputes from the same tokens
 Work saved (:func:`generate`; each can be switched off, none changes the replies): the token prefix
 that every prompt of a batch shares (system prompt, chat template, task preamble) is prefilled once;
 rows whose reply has ended leave the decode batch; the KV cache reserves room for the replies
-instead of growing by concatenation. :class:`Work` counts what the replies need and what was
+instead of growing by concatenation. :class:`DecodeWork` counts what the replies need and what was
 computed, for FLOP and MFU figures (:mod:`marft.engines.flops`).
 
 On a GPU the decode loop is static instead (:class:`_StaticDecoder`): fixed shapes, no host
@@ -48,7 +48,7 @@ class Sampling:
 
 
 @dataclass
-class Work:
+class DecodeWork:
     """Model work of a :func:`generate` call, in the terms of :meth:`marft.engines.flops.ModelShape.forward`.
 
     Prefill is the forward pass over the prompts, decode the forward passes over the generated
@@ -66,8 +66,8 @@ class Work:
         return shape.forward(self.prefill_tokens + self.decode_tokens,
                              self.prefill_context + self.decode_context, self.logits)
 
-    def __add__(self, other: "Work") -> "Work":
-        return Work(*(a + b for a, b in zip(astuple(self), astuple(other))))
+    def __add__(self, other: "DecodeWork") -> "DecodeWork":
+        return DecodeWork(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
 
 @dataclass
@@ -81,19 +81,21 @@ class Generated:
     texts: list[str]  # decoded replies without special tokens
     # what the replies need (the FLOPs of MFU): prompt and reply tokens only, without padding or
     # finished rows, a prefix common to every prompt once
-    work: Work | None = None
-    spent: Work | None = None  # what this call computed: padding, finished rows kept in the batch, ...
+    work: DecodeWork | None = None
+    spent: DecodeWork | None = None  # what this call computed: padding, finished rows kept in the batch, ...
 
 
 def encode_chats(tok, chats: list[list[dict]], device) -> tuple[torch.Tensor, torch.Tensor]:
     """Render chats with the tokenizer's chat template, ending with the assistant's turn opener;
     returns left-padded ids [B, P] and mask [B, P]."""
-    texts = [_render(tok, c) for c in chats]
+    texts = [render_chat(tok, c) for c in chats]
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     return enc["input_ids"].to(device), enc["attention_mask"].to(device).bool()
 
 
-def _render(tok, chat: list[dict]) -> str:
+def render_chat(tok, chat: list[dict]) -> str:
+    """A chat (a list of messages) as the prompt text the tokenizer's chat template makes of it,
+    ready for the assistant's reply."""
     # a served request's tools, for a template that shows them itself (marft.serving.tool_calls.Chat)
     tools = {"tools": chat.tools} if getattr(chat, "tools", None) else {}
     try:
@@ -123,7 +125,8 @@ def _uniform(shape: tuple[int, ...], generator: torch.Generator | None) -> torch
     return torch.rand(shape, generator=generator, device=device)
 
 
-def _positions(mask: torch.Tensor) -> torch.Tensor:
+def positions_of(mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] position ids of a left-padded batch: 0 at each row's first real token (and on its padding)."""
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
@@ -227,7 +230,7 @@ def _decode(model, tok, sampling, stop_ids, generator, prompt_ids, prompt_mask, 
         if step == R - 1 or ((step + 1) % check == 0 and bool(done.all())):  # the last token is not fed back
             break
         if decoder is not None:
-            spent += Work(decode_tokens=B, decode_context=B * (P + step + 1), logits=B)
+            spent += DecodeWork(decode_tokens=B, decode_context=B * (P + step + 1), logits=B)
             logits = decoder.step(nxt, step)
             continue
         attn[:, K] = live
@@ -237,7 +240,7 @@ def _decode(model, tok, sampling, stop_ids, generator, prompt_ids, prompt_mask, 
             if keep is not None:
                 past.batch_select_indices(keep)
                 rows, attn, pos, nxt = rows[keep], attn[keep], pos[keep], nxt[keep]
-        spent += Work(decode_tokens=len(rows), decode_context=len(rows) * K, logits=len(rows))
+        spent += DecodeWork(decode_tokens=len(rows), decode_context=len(rows) * K, logits=len(rows))
         out = model(input_ids=nxt[:, None], attention_mask=attn[:, :K], position_ids=pos[:, None],
                     use_cache=True, **{_CACHE: past})
         past, logits = getattr(out, _CACHE), out.logits[:, -1]
@@ -437,12 +440,12 @@ def _prefill(model, ids: torch.Tensor, mask: torch.Tensor, room: int | None):
     cache (with ``room`` positions reserved, see :func:`_reserve`, unless None), the logits [B, V]
     after each prompt, the attention mask [B, P] long and the work done."""
     mask = mask.long()
-    out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True, logits_to_keep=1)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions_of(mask), use_cache=True, logits_to_keep=1)
     past = getattr(out, _CACHE)
     if room is not None:
         _reserve(past, room)
     B, P = ids.shape
-    work = Work(prefill_tokens=B * P, prefill_context=causal_context(torch.full((B,), P)), logits=B)
+    work = DecodeWork(prefill_tokens=B * P, prefill_context=causal_context(torch.full((B,), P)), logits=B)
     return past, out.logits[:, -1], mask, work
 
 
@@ -463,10 +466,10 @@ def _prefill_shared(model, ids: torch.Tensor, mask: torch.Tensor, shared: int, r
     if room is not None:
         _reserve(past, P - shared + room)
     full = torch.cat([mask.new_ones(B, shared), mask[:, :P - shared]], 1).long()
-    out = model(input_ids=ids[:, shared:], attention_mask=full, position_ids=_positions(full)[:, shared:],
+    out = model(input_ids=ids[:, shared:], attention_mask=full, position_ids=positions_of(full)[:, shared:],
                 use_cache=True, logits_to_keep=1, **{_CACHE: past})
     rest = torch.full((B,), P - shared)
-    work = Work(prefill_tokens=shared + B * (P - shared), logits=1 + B,
+    work = DecodeWork(prefill_tokens=shared + B * (P - shared), logits=1 + B,
                 prefill_context=causal_context(torch.tensor([shared])) + causal_context(rest, shared))
     return getattr(out, _CACHE), out.logits[:, -1], full, work
 
@@ -583,7 +586,7 @@ def _rows_to_keep(done: torch.Tensor) -> torch.Tensor | None:
     return keep if len(keep) <= COMPACT_AT * len(done) else None
 
 
-def needed_work(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_mask: torch.Tensor) -> Work:
+def needed_work(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_mask: torch.Tensor) -> DecodeWork:
     """What replies need, whichever implementation produced them (left-padded prompts [B, P],
     right-padded replies [B, R]): every prompt token, with the prefix common to all prompts once
     (see :func:`_common_prefix`); every generated token fed back but each reply's last; the logits
@@ -592,7 +595,7 @@ def needed_work(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ma
     shared = _common_prefix(prompt_ids.cpu(), lengths)
     rest = lengths - shared
     fed = (replies - 1).clamp(min=0)
-    return Work(prefill_tokens=shared + float(rest.sum()),
+    return DecodeWork(prefill_tokens=shared + float(rest.sum()),
                 prefill_context=causal_context(torch.tensor([shared])) + causal_context(rest, shared),
                 decode_tokens=float(fed.sum()), decode_context=causal_context(fed, lengths),
                 logits=float(replies.sum()))
@@ -623,7 +626,7 @@ def sequence_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
     ids = torch.cat([prompt_ids, response_ids], 1)
     mask = torch.cat([prompt_mask, response_mask], 1).long()
     R = response_ids.shape[1]
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask),
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions_of(mask),
                    logits_to_keep=R + 1).logits[:, :-1]
     temp = temperature if temperature > 0 else 1.0
     logp = F.log_softmax(logits.float() / temp, dim=-1).gather(-1, response_ids[..., None]).squeeze(-1)

@@ -23,7 +23,7 @@ a float32 log-softmax over the whole vocabulary at every reply position. Here in
 The result is the same log-probabilities and gradients as the padded pass up to floating-point
 rounding (``tests/test_packing.py`` checks losses and gradients against the plain path).
 
-Work counters (``Work``) record the tokens and attention context actually computed, with the shared
+Work counters (:class:`PassWork`) record the tokens and attention context actually computed, with the shared
 prefix once per micro-batch, for :mod:`marft.engines.flops`.
 """
 from __future__ import annotations
@@ -60,7 +60,7 @@ class Row:
 
 
 @dataclass
-class Work:
+class PassWork:
     """What a pass computed: ``tokens`` positions run through the model (shared prefixes once),
     ``context`` the sum of their attention contexts, ``logits`` positions with an output projection."""
 
@@ -69,7 +69,7 @@ class Work:
     logits: float = 0.0
     padded: float = 0.0  # padding positions computed (not part of the needed work)
 
-    def add(self, other: "Work") -> None:
+    def add(self, other: "PassWork") -> None:
         for k in ("tokens", "context", "logits", "padded"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
 
@@ -194,7 +194,7 @@ def _plain_head(model) -> bool:
 
 
 def response_logprobs(model, rows: list[Row], temperature: float, with_entropy: bool, share_prefix: bool = True,
-                      min_prefix: int = 8, compile: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, Work]:
+                      min_prefix: int = 8, compile: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, PassWork]:
     """Log-probabilities [b, R] of each row's reply tokens under log softmax(logits / T), the
     entropies [b, R] of those distributions (or None) and the work done; R = longest reply; column j
     of row b is reply token j (0 beyond the reply). One micro-batch: all ``rows`` in one pass.
@@ -263,21 +263,21 @@ def _logit_chunk(device) -> int:
     return 256 if device.type == "cpu" else 4096
 
 
-def work_of(rows: list[Row], prefix: int, width: int | None = None) -> Work:
+def work_of(rows: list[Row], prefix: int, width: int | None = None) -> PassWork:
     """The work of one pass over ``rows`` with a shared ``prefix`` (run once) and the remainders
     right-padded to ``width`` positions (default: the longest)."""
     lengths = torch.tensor([r.length - prefix for r in rows])
     width = int(lengths.max()) if width is None else width
-    return Work(tokens=prefix + float(lengths.sum()),
+    return PassWork(tokens=prefix + float(lengths.sum()),
                 context=causal_context(torch.tensor([prefix])) + causal_context(lengths, prefix),
                 logits=float(sum(r.n_resp for r in rows)),
                 padded=float(len(rows) * width - lengths.sum()))
 
 
-def needed_work(rows: list[Row], max_tokens: int, max_rows: int = 0, min_prefix: int = 8) -> Work:
+def needed_work(rows: list[Row], max_tokens: int, max_rows: int = 0, min_prefix: int = 8) -> PassWork:
     """The work a pass over ``rows`` needs (no padding, each micro-batch's shared prefix once), as
     grouped by :func:`micro_batches`: the numerator of the learner's MFU, whichever path ran."""
-    total = Work()
+    total = PassWork()
     for g in micro_batches([r.length for r in rows], max_tokens, max_rows):
         group = [rows[i] for i in g]
         w = work_of(group, shared_prefix(group, min_prefix))

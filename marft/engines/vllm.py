@@ -33,7 +33,7 @@ import torch
 
 from ..errors import UserError
 from .flops import model_shape
-from .generation import Generated, Sampling, _render
+from .generation import Generated, Sampling, render_chat
 from .models import TeamModel, resolve_model, stop_token_ids
 from .base import Engine, Reply, pack
 
@@ -144,7 +144,7 @@ class VLLMEngine(Engine):
     def submit(self, key, agent: str, chat: list[dict], sampling: Sampling, seed: int) -> None:
         _, tok, adapter = self.models.for_agent(agent)
         base = self.models.base_of[adapter]
-        ids = tok(_render(tok, chat), add_special_tokens=False)["input_ids"]
+        ids = tok(render_chat(tok, chat), add_special_tokens=False)["input_ids"]
         if len(ids) + sampling.max_new_tokens > self.max_model_len:
             raise UserError(f"a prompt of {len(ids)} tokens plus {sampling.max_new_tokens} new ones is longer than "
                             f"rollout.vllm.max_model_len ({self.max_model_len}); raise it")

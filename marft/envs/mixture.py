@@ -22,7 +22,6 @@ A mixture of one task with scale 1 is never built: that run is the single-task r
 """
 from __future__ import annotations
 
-import math
 import random
 from typing import Callable
 
@@ -163,12 +162,3 @@ class MixtureEnv(TeamEnv):
             raise AttributeError(name)
         return getattr(self.__dict__["env"], name)
 
-
-def macro_interval(results: list[dict], z: float = 1.96) -> list[float]:
-    """95% interval of the mean of several tasks' accuracies (each task's own problems, independent):
-    each task's standard error read from its own interval (half its width over 2 z), the mean's
-    ``sqrt(sum se_j^2) / T``; normal, clipped to [0, 1]."""
-    T = len(results)
-    mean = sum(r["accuracy"] for r in results) / T
-    se = math.sqrt(sum(((r["ci95"][1] - r["ci95"][0]) / (2 * z)) ** 2 for r in results)) / T
-    return [max(0.0, mean - z * se), min(1.0, mean + z * se)]

@@ -24,7 +24,7 @@ class WorkflowEnv(DatasetEnv):
     """``task.kind: workflow``: the problems and the reward of a data set task (:class:`DatasetEnv`:
     ``task.dataset``, ``task.reward``, ...), played by the user's ``workflow`` (``task.workflow``,
     ``module:function`` or ``path/to/file.py:function``) instead of marft's team loop; the rollout
-    (:func:`marft.run.rollout.rollout`) sees ``workflow_fn`` and calls :func:`workflow_rollout`. The
+    (:func:`marft.run.rollout.play`) of a workflow task calls :func:`marft.serving.workflow.workflow_rollout`. The
     reward function scores the workflow's answer: ``reward(answer, record)``, a number for the team or
     ``{agent: number}`` per agent (:meth:`score_answer`)."""
 

@@ -160,20 +160,10 @@ def _axis(name: str, values, where: str) -> list[tuple[str, list[str]]]:
 
 def load_sweep(path: str | Path) -> Sweep:
     """Read and check a sweep file: every run's config is loaded (and so validated) here."""
-    from ..run.config import load_config
+    from ..run.config import load_config, read_yaml
 
     p = Path(path)
-    if not p.is_file():
-        raise UserError(f"sweep file {p} not found; give a YAML file such as configs/sweep_paper_small.yaml")
-    try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-    except UnicodeDecodeError as e:
-        raise UserError(f"sweep file {p} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
-                        "give a YAML file such as configs/sweep_paper.yaml") from None
-    except yaml.YAMLError as e:
-        raise UserError(f"sweep file {p} is not valid YAML: {getattr(e, 'problem', e)}") from None
-    if not isinstance(data, dict):
-        raise UserError(f"sweep file {p} must hold a mapping (output_dir:, base:, grids:, ...)")
+    data = read_yaml(p, "sweep file", "configs/sweep_paper_small.yaml", "output_dir:, base:, grids:, ...")
     unknown = sorted(set(data) - KNOWN)
     if unknown:
         raise UserError(f"sweep file {p}: unknown key(s) {', '.join(unknown)}; expected {', '.join(sorted(KNOWN))}")
@@ -372,7 +362,7 @@ def _set_aside(folder: Path) -> Path | None:
     """Move the files of an earlier ``marft train`` attempt in ``folder`` (one that left no
     checkpoint: a run killed or failed early) into ``folder/earlier_attempt_N/``, so that the run
     can start afresh there without overwriting them; None if there were none."""
-    from ..run.assemble import earlier_run_files
+    from ..run.folder import earlier_run_files
 
     found = earlier_run_files(folder, trackers=True)
     if not found:

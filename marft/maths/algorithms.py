@@ -59,11 +59,12 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from . import advantages as adv_fns
+from . import losses
 from .critic import ValueHead, prompt_features, state_features, token_features
 
 if TYPE_CHECKING:
     from ..engines.models import TeamModel
-    from ..engines.packing import Work
+    from ..engines.packing import PassWork
     from ..turns import Rollout, Turn
 
 
@@ -85,7 +86,7 @@ class TargetInputs:
     agents: list[str]  # the team's names in acting order
     models: "TeamModel"  # for the critic's features (the base model, adapters disabled)
     heads: dict[str, ValueHead]  # the algorithm's value heads (see Algorithm.make_heads)
-    work: "Work"  # the critic's forward passes add their work here (MFU)
+    work: "PassWork"  # the critic's forward passes add their work here (MFU)
 
     def micro_index(self, turn: "Turn") -> int:
         """Micro-step k = t * N + i of a turn."""
@@ -110,6 +111,30 @@ class Algorithm:
         if self.critic == "team":
             return {"team": ValueHead(hidden)}
         return {}
+
+    def row_advantages(self, advantages: list[torch.Tensor], turns: list["Turn"], rows: list[tuple[int, int]],
+                       R: int) -> torch.Tensor:
+        """The advantages of ``rows`` (turn, row) as the loss reads them: [n] at action level; at
+        token level [n, R], each row's reply tokens padded to ``R`` (``advantages`` per turn: [b], or
+        [b * R_turn] / [b, R_turn] at token level)."""
+        if self.token_level:
+            return torch.stack([torch.nn.functional.pad(advantages[i].view(len(turns[i].episodes), -1)[r],
+                                                        (0, R - turns[i].response_ids.shape[1])) for i, r in rows])
+        return torch.stack([advantages[i][r] for i, r in rows])
+
+    def policy_loss(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                    response_mask: torch.Tensor, train: Any, texts: list[str] | None = None) -> tuple[torch.Tensor, dict]:
+        """This algorithm's clipped PPO surrogate (:func:`marft.maths.losses.ppo_policy_loss`) on one
+        micro-batch: ``logprobs``, ``old_logprobs`` [n, R] per reply token, ``advantages`` from
+        :meth:`row_advantages`. Token level: a ratio per token, the mean over reply tokens; action
+        level: a ratio per reply, its log-probability summed, averaged or per word
+        (``train.logprob``; ``texts`` give the words), the mean over replies. (loss, statistics)."""
+        if self.token_level:
+            return losses.ppo_policy_loss(logprobs, old_logprobs, advantages, response_mask, train.clip)
+        words = torch.tensor([len(x.split()) for x in texts]) if train.logprob == "word" else None
+        new = losses.action_logprobs(logprobs, response_mask, train.logprob, words)
+        old = losses.action_logprobs(old_logprobs, response_mask, train.logprob, words)
+        return losses.ppo_policy_loss(new, old, advantages, None, train.clip)
 
     def normalise(self, out: "Rollout", advs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each turn's advantages whitened (``train.normalize_advantages``) over the whole batch or,

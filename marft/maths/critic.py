@@ -28,9 +28,9 @@ class ValueHead(nn.Module):
 
 def _last_hidden(model, ids: torch.Tensor, mask: torch.Tensor, work=None) -> torch.Tensor:
     """Last hidden states [b, L, H]; adds the needed work (unpadded tokens) to ``work``
-    (a :class:`marft.engines.packing.Work`) when given."""
+    (a :class:`marft.engines.packing.PassWork`) when given."""
     from ..engines.flops import causal_context
-    from ..engines.generation import _positions
+    from ..engines.generation import positions_of
 
     if work is not None:
         n = mask.sum(1)
@@ -40,7 +40,7 @@ def _last_hidden(model, ids: torch.Tensor, mask: torch.Tensor, work=None) -> tor
     # the decoder alone: no output head, and not transformers' output_hidden_states, whose capturing
     # hooks would stay on every layer (and break a compiled layer's graph, marft/engines/compiling.py)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base.get_decoder()(input_ids=ids, attention_mask=mask.long(), position_ids=_positions(mask.long())).last_hidden_state
+    return base.get_decoder()(input_ids=ids, attention_mask=mask.long(), position_ids=positions_of(mask.long())).last_hidden_state
 
 
 def _batch(batch: int | None, device, cpu: int) -> int:

@@ -428,6 +428,29 @@ class RunConfig:
 # --------------------------------------------------------------------------------------------
 # loading
 
+def read_yaml(path: str | Path, what: str = "config file", example: str = "configs/duo_arithmetic.yaml",
+              keys: str = "model:, team:, ...") -> dict:
+    """The mapping in the YAML file ``path`` ({} for an empty file). Anything wrong is one
+    :class:`UserError` line naming the file as ``what`` (``config file``, ``sweep file``): not found,
+    not UTF-8 text, not valid YAML (with the line of the problem), not a mapping (of ``keys``);
+    ``example`` names a good file to give instead."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{what} {p} not found; give the path of a YAML file such as {example}")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        raise UserError(f"{what} {p} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                        f"give a YAML file such as {example}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise UserError(f"{what} {p} is not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{what} {p} must hold a mapping of keys ({keys}), not {type(data).__name__}")
+    return data
+
+
 def load_config(path: str | Path | dict | None = None, overrides: list = ()) -> RunConfig:
     """Read ``path`` (YAML, or a dict of the same shape; None = all defaults), apply the overrides
     (``key=value`` strings or ``(key, value)`` pairs), validate."""
@@ -435,21 +458,8 @@ def load_config(path: str | Path | dict | None = None, overrides: list = ()) -> 
     if isinstance(path, dict):  # the Python API: a config as plain data (marft.load_config)
         data, path = copy.deepcopy(path), "the config"
     elif path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise UserError(f"config file {p} not found; give the path of a YAML file such as configs/duo_arithmetic.yaml")
-        try:
-            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-        except UnicodeDecodeError as e:
-            raise UserError(f"config file {p} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
-                            "give a YAML file such as configs/duo_arithmetic.yaml") from None
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark else ""
-            raise UserError(f"config file {p} is not valid YAML{where}: {getattr(e, 'problem', e)}") from None
-        if not isinstance(data, dict):
-            raise UserError(f"config file {p} must hold a mapping of keys (model:, team:, ...), not {type(data).__name__}")
-    parsed = [o if isinstance(o, tuple) else _split_override(o) for o in overrides]
+        data = read_yaml(path)
+    parsed = [o if isinstance(o, tuple) else split_override(o) for o in overrides]
     _check_kind_override(data, parsed, path)
     file_task = "task" in data and "tasks" not in data
     file_mixture = bool(data.get("tasks")) and "task" not in data
@@ -503,7 +513,7 @@ def _check_kind_override(data: dict, parsed: list[tuple[str, Any]], path) -> Non
                         f"add task.options={{}} (or the {new_kind} task's own options) to the command line")
 
 
-def _split_override(text: str, what: str = "override", example: str = "rollout.temperature=0.8") -> tuple[str, Any]:
+def split_override(text: str, what: str = "override", example: str = "rollout.temperature=0.8") -> tuple[str, Any]:
     """``key=value`` -> (key, the value read as YAML). ``what`` and ``example`` name the item in the
     error (``marft env-check`` options are environment options, not config keys)."""
     key, eq, value = text.partition("=")

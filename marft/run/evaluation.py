@@ -5,7 +5,6 @@ and as JSON."""
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 
@@ -14,51 +13,8 @@ import torch
 from ..engines import make_engine
 from ..engines.generation import Sampling
 from ..engines.models import TeamModel
-from .rollout import rollout
-
-
-def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a binomial proportion."""
-    if n == 0:
-        return 0.0, 1.0
-    return _wilson(successes / n, n, z)
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k (Chen et al. 2021) of one problem with n samples of which c are correct:
-    1 - C(n-c, k) / C(n, k), the chance that at least one of k samples drawn without replacement is."""
-    if k > n:
-        raise ValueError(f"pass@{k} needs at least {k} samples per problem, got {n}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
-
-
-def accuracy_interval(success: torch.Tensor, z: float = 1.96) -> tuple[float, float, float]:
-    """Mean accuracy and 95% interval from a [problems, samples] table of 0/1 (or per-sample scores).
-
-    One sample per problem: Wilson interval. Several: the problems are the independent units. The
-    standard error of the per-problem means gives an effective sample size, n_eff = p(1 - p) / se^2
-    (the number of independent 0/1 draws with the same standard error, at most problems x samples),
-    and the interval is Wilson's at n_eff. Where the per-problem means carry no spread to estimate it
-    from (all 0 or all 1), n_eff is the number of problems. Unlike mean +- z se, the interval is never
-    a single point and stays inside [0, 1]."""
-    n, k = success.shape
-    mean = float(success.float().mean())
-    if k == 1:
-        lo, hi = wilson_interval(int(success.sum()), n, z)
-        return mean, lo, hi
-    se = float(success.float().mean(1).std(unbiased=True)) / math.sqrt(n) if n > 1 else 0.0
-    n_eff = min(mean * (1 - mean) / se**2, n * k) if se > 0 and 0 < mean < 1 else float(n)
-    lo, hi = _wilson(mean, n_eff, z)
-    return mean, lo, hi
-
-
-def _wilson(p: float, n: float, z: float) -> tuple[float, float]:
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
+from ..maths.stats import accuracy_interval, macro_interval, pass_at_k
+from .rollout import episode_runner
 
 
 def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progress=None) -> dict:
@@ -73,7 +29,7 @@ def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progr
     own from the same sampling seed (so a task scores as it would evaluated alone, given the same
     weights): the result holds a result per task under ``tasks`` (each as a single task's), and at
     its top the macro mean over tasks
-    (``accuracy``, its ``ci95`` by :func:`marft.envs.mixture.macro_interval`; ``micro_accuracy``
+    (``accuracy``, its ``ci95`` by :func:`marft.maths.stats.macro_interval`; ``micro_accuracy``
     over all episodes); the other top figures are over all episodes."""
     if isinstance(models, TeamModel):
         engine = make_engine(cfg, models)
@@ -82,7 +38,7 @@ def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progr
         finally:
             engine.close()
     from .config import horizon as run_horizon
-    from ..envs.mixture import MixtureFactory, macro_interval
+    from ..envs.mixture import MixtureFactory
 
     ev, ro = cfg.eval, cfg.rollout
     k = ev.samples
@@ -113,8 +69,8 @@ def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progr
                 if progress:
                     progress(done_eps, total, tokens)
 
-            out = rollout(team, models, make_env, chunk, sampling, h, generator, on_turn, ro.env_timeout_s,
-                          schedule=ro.schedule)
+            out = episode_runner(cfg)(team, models, make_env, chunk, sampling, h, generator, on_turn, ro.env_timeout_s,
+                                  schedule=ro.schedule)
             rec.add(lo, out, kept)
             done_eps = lo + len(chunk)
             if progress:

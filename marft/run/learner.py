@@ -41,7 +41,7 @@ import torch
 from ..engines import flops, packing
 from ..maths import losses
 from ..maths.algorithms import ALGORITHMS
-from ..engines.generation import _positions
+from ..engines.generation import positions_of
 
 if TYPE_CHECKING:
     from .config import RunConfig
@@ -141,6 +141,7 @@ class AdapterLearner:
 
     def __init__(self, cfg: RunConfig, models: TeamModel, adapter: str, log: Callable[[str], None] = print, group=None):
         self.cfg, self.models, self.adapter, self.log, self.group = cfg, models, adapter, log, group
+        self.algorithm = ALGORITHMS[cfg.train.algorithm]  # it carries its loss
         self.optimizer = torch.optim.AdamW(models.adapter_parameters(adapter), lr=cfg.train.lr)
         base = models.bases[models.base_of[adapter]]
         # train.micro_batch_tokens, or (0) by the device: 2,048 on a CPU, by its memory on a GPU
@@ -293,18 +294,9 @@ class AdapterLearner:
                          f"{iteration}; micro-batch skipped")
                 skipped += 1
                 continue
-            if ALGORITHMS[tr.algorithm].token_level:
-                a = torch.stack([torch.nn.functional.pad(norm_adv[i].view(len(turns[i].episodes), -1)[r],
-                                                         (0, R - turns[i].response_ids.shape[1])) for i, r in chunk]).to(lp.device)
-                pl, st = losses.ppo_policy_loss(lp, old_lp, a, rmask, tr.clip)
-                w = w_tok
-            else:
-                words = torch.tensor([len(turns[i].texts[r].split()) for i, r in chunk]) if tr.logprob == "word" else None
-                new_a = losses.action_logprobs(lp, rmask, tr.logprob, words)
-                old_a = losses.action_logprobs(old_lp, rmask, tr.logprob, words)
-                a = torch.stack([norm_adv[i][r] for i, r in chunk]).to(lp.device)
-                pl, st = losses.ppo_policy_loss(new_a, old_a, a, None, tr.clip)
-                w = w_rows
+            a = self.algorithm.row_advantages(norm_adv, turns, chunk, R).to(lp.device)
+            pl, st = self.algorithm.policy_loss(lp, old_lp, a, rmask, tr, [turns[i].texts[r] for i, r in chunk])
+            w = w_tok if self.algorithm.token_level else w_rows
             loss = w * pl
             if ent is not None:
                 loss = loss - tr.entropy_coef * w_tok * ent
@@ -361,7 +353,7 @@ class AdapterLearner:
         mask = torch.cat([t.prompt_mask[rows], t.response_mask[rows]], 1)
         device = next(model.parameters()).device
         ids, mask_l = ids.to(device), mask.long().to(device)
-        logits = model(input_ids=ids, attention_mask=mask_l, position_ids=_positions(mask_l),
+        logits = model(input_ids=ids, attention_mask=mask_l, position_ids=positions_of(mask_l),
                        logits_to_keep=t.response_ids.shape[1] + 1).logits[:, :-1]
         logits = logits.float() / temp
         resp = t.response_ids[rows].to(device)

@@ -12,7 +12,7 @@ The model is the config's (``smollm2-135m`` by default); ``model.name=tiny`` che
 seconds on a tiny random model that marft builds itself (its replies are noise: the check is of the
 program's calls, not of its answers). ``--episodes N`` (default 4) episodes are played on problems
 of the train split, at the run's sampling settings (``rollout.*``), through
-:func:`marft.run.trainer.play`, the training rollout itself.
+:func:`marft.run.rollout.play`, the training rollout itself.
 
 The report lists each episode: the calls it made (agents, in step order; calls issued together are
 one step, listed in the team's order), the Flex-MG steps they became, its reward and answer, or why
@@ -70,7 +70,7 @@ def workflow_config(spec: str, options: list[str]):
     option without a dot is a key of the workflow task (``dataset=``, ``reward=``, ``workflow=``,
     ``prompt_column=``, ..., ``instruction=``), one with a dot a config key (``model.name=tiny``,
     ``team.preset=trio``)."""
-    from .assemble import config_file
+    from .folder import config_file
     from .config import is_workflow, load_config
     from ..envs import WORKFLOW_KEYS
 
@@ -143,7 +143,7 @@ def check_workflow_run(cfg, episodes: int = EPISODES) -> WorkflowCheck:
     episode: the workflow, data set, reward function or model cannot be loaded."""
     from .assemble import prepare
     from ..engines import make_engine
-    from .trainer import play
+    from .rollout import play
 
     if episodes < 1:
         raise UserError(f"--episodes must be at least 1, got {episodes}")

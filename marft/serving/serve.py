@@ -95,7 +95,7 @@ import torch
 
 from . import tool_calls
 from ..errors import UserError, warn_once
-from ..engines.generation import Sampling, _render
+from ..engines.generation import Sampling, render_chat
 
 
 @dataclass
@@ -516,7 +516,7 @@ class TeamServer:
         whole batch, or a prompt over the context; None for one that can."""
         tok = self.tokenizer(agent)
         try:
-            text = _render(tok, p.chat)
+            text = render_chat(tok, p.chat)
         except Exception as e:  # noqa: BLE001 - jinja's own errors, and the template's raise_exception
             return _Refused(400, f"{agent}'s chat template cannot render these messages ({type(e).__name__}: "
                                  f"{str(e)[:300]})", param="messages")

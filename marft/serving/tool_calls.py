@@ -18,7 +18,7 @@ import secrets
 
 
 class Chat(list):
-    """A chat's messages and the tools its chat template is to show: ``marft.engines.generation._render``
+    """A chat's messages and the tools its chat template is to show: ``marft.engines.generation.render_chat``
     passes them as ``apply_chat_template(..., tools=)``. A list, so that the engines hand it on as
     any chat."""
 
