@@ -128,8 +128,9 @@ def test_the_ray_learner_updates_exactly_as_the_trainer_does(overrides, monkeypa
 
     def put(job):  # what Ray's store holds: the job as pickled, its packed rows left out
         job["batch"].packed_rows()
-        sent.append(pickle.loads(pickle.dumps(job)))
-        return sent[-1]
+        received = pickle.loads(pickle.dumps(job))
+        sent.append({**received, "packed": received["batch"].packed})  # before the learner packs its rows
+        return received
 
     def update(job):
         results.append(actor.update(job))
@@ -146,7 +147,7 @@ def test_the_ray_learner_updates_exactly_as_the_trainer_does(overrides, monkeypa
     stats, updated = tr.update_policy(out, targets, ["solver"])
 
     (job,) = sent
-    assert job["batch"].packed is None and job["iteration"] == 0 and job["n_adapters"] == 1
+    assert job["packed"] is None and job["iteration"] == 0 and job["n_adapters"] == 1
     (res,) = results
     assert res["metrics"] == {k: v for k, v in local_stats.items() if k.startswith("solver/")}
     assert isinstance(res["stats"], UpdateStats) and res["stats"].outcomes == [True] * 4
