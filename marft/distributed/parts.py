@@ -361,9 +361,18 @@ def ray_parts(cfg, team, models, engine, log=print):
     """The two parts of a Ray run (:class:`RayEpisodes`, :class:`RayPolicy`), Ray started or joined
     and every actor holding the driver's adapters; ``engine`` (the driver's) evaluates."""
     cluster = RayCluster(cfg, team, log)
-    episodes = RayEpisodes(cluster, models, engine)
-    policy = RayPolicy(cluster, models)
-    episodes.publish(list(team.adapters))
+    episodes = policy = None
+    try:
+        episodes = RayEpisodes(cluster, models, engine)
+        policy = RayPolicy(cluster, models)
+        episodes.publish(list(team.adapters))
+    except BaseException:  # the actors made so far go, and Ray if this run started it (the caller closes the engine)
+        if policy is not None:
+            policy.close()
+        if episodes is not None:
+            cluster.kill(episodes.workers)
+        cluster.close()
+        raise
     return episodes, policy
 
 

@@ -296,8 +296,10 @@ class TrainConfig:
     fast: bool = True
     """The learner's packed passes (``marft/engines/packing.py``: no padding, shared prompt prefix once,
     log-probabilities and entropy without a float32 vocabulary tensor, behaviour log-probabilities of
-    the first minibatch taken from its own pass). ``false``: the plain padded passes, kept to measure
-    against (``benchmarks/train.py``)."""
+    the first minibatch taken from its own pass), and the ``hf`` engine's decode loop
+    (``marft/engines/generation.py``: shared-prefix prefill, finished rows dropped from the batch, a
+    preallocated cache). ``false``: the plain padded passes and sampling loop, kept to measure
+    against (``benchmarks/train.py``, ``benchmarks/decode.py``)."""
     compile: bool = False
     """``fast``: the learner's passes run each decoder layer compiled with ``torch.compile``
     (``marft/engines/compiling.py``: one compilation serves every layer, dynamic shapes), the shared prompt

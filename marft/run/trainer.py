@@ -334,8 +334,10 @@ class Trainer:
 
     def close(self) -> None:
         """Free the parts: the engine, and for a distributed run the actors."""
-        self.policy.close()
-        self.episodes.close()
+        try:
+            self.policy.close()
+        finally:
+            self.episodes.close()
 
     def load(self, checkpoint: Path) -> None:
         """Continue from ``checkpoint``: its adapters, critic, optimisers, RNG state and counters."""
