@@ -4,8 +4,9 @@ import math
 import pytest
 import torch
 
+from marft.maths import losses
 from marft.maths.losses import (action_logprobs, entropy_from_logits, kl_penalty, masked_mean, ppo_policy_loss,
-                          value_loss)
+                               value_loss)
 
 T, F = True, False
 
@@ -122,3 +123,47 @@ def test_entropy_from_logits():
     logits = t([[[0.0, math.log(3)], [100.0, -100.0]]])
     assert entropy_from_logits(logits, torch.tensor([[T, F]])).item() == pytest.approx(0.5623351, rel=1e-6)
     assert entropy_from_logits(logits, None).item() == pytest.approx(0.5623351 / 2, rel=1e-5)
+
+
+def test_decoupled_ppo_by_hand():
+    """ratio pi/pi_prox = (1.1, 1.5, 0.5), weight pi_prox/mu = (2, 1, 10) capped at 5, A = (1, 1, -1),
+    clip 0.2: the terms are 2 * -1.1, 1 * -1.2 (clipped) and 5 * 0.8 (clipped): loss = 0.6 / 3."""
+    lp = torch.log(torch.tensor([1.1, 1.5, 0.5])).requires_grad_()
+    prox = torch.zeros(3)
+    behaviour = torch.log(torch.tensor([0.5, 1.0, 0.1]))
+    adv = torch.tensor([1.0, 1.0, -1.0])
+    loss, st = losses.decoupled_ppo_policy_loss(lp, prox, behaviour, adv, None, clip=0.2, max_weight=5.0)
+    assert loss.item() == pytest.approx(0.2, abs=1e-6)
+    assert st["clip_fraction"] == pytest.approx(2 / 3)
+    assert st["importance_weight_mean"] == pytest.approx(13 / 3, rel=1e-6)
+    assert st["capped_fraction"] == pytest.approx(1 / 3)
+    loss.backward()
+    # only the unclipped first entry moves pi: d/dlp0 of (1/3) * 2 * (-1) * exp(lp0) = -(2/3) * 1.1
+    assert lp.grad.tolist() == pytest.approx([-(2 / 3) * 1.1, 0.0, 0.0], abs=1e-6)
+
+
+def test_decoupled_ppo_with_fresh_data_is_ppo_exactly():
+    """mu = pi_prox (no staleness): weight 1, the loss, its gradient and stats are PPO's, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    lp = torch.randn(3, 5, generator=g).requires_grad_()
+    old = torch.randn(3, 5, generator=g)
+    adv = torch.randn(3, 5, generator=g)
+    mask = torch.rand(3, 5, generator=g) > 0.3
+    a, st_a = losses.ppo_policy_loss(lp, old, adv, mask, 0.2)
+    (ga,) = torch.autograd.grad(a, lp)
+    b, st_b = losses.decoupled_ppo_policy_loss(lp, old, old, adv, mask, 0.2, max_weight=5.0)
+    (gb,) = torch.autograd.grad(b, lp)
+    assert torch.equal(a, b) and torch.equal(ga, gb)
+    assert {k: st_b[k] for k in st_a} == st_a and st_b["importance_weight_mean"] == 1.0 and st_b["capped_fraction"] == 0.0
+
+
+def test_decoupled_ppo_ignores_padding_and_stale_gradients():
+    lp = torch.tensor([[0.1, 5.0]], requires_grad=True)
+    prox = torch.tensor([[0.0, float("inf")]])
+    behaviour = torch.tensor([[-0.2, float("-inf")]], requires_grad=True)
+    mask = torch.tensor([[True, False]])
+    loss, st = losses.decoupled_ppo_policy_loss(lp, prox, behaviour, torch.ones(1, 2), mask, 0.2, 5.0)
+    assert torch.isfinite(loss) and st["importance_weight_mean"] == pytest.approx(float(torch.exp(torch.tensor(0.2))))
+    loss.backward()
+    assert behaviour.grad is None or not behaviour.grad.any()  # the weight is a constant
+    assert lp.grad[0, 1] == 0

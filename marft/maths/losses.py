@@ -1,4 +1,5 @@
-"""Losses: PPO's clipped surrogate, the clipped value loss, entropy and the k3 KL penalty.
+"""Losses: PPO's clipped surrogate (and its decoupled form for stale data), the clipped value loss,
+entropy and the k3 KL penalty.
 
 Pure tensor functions, no model and no I/O. Each works at the token level ([B, T] with a
 ``response_mask``) and at the action level ([B], one log-probability per action, see
@@ -67,6 +68,49 @@ def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantag
             "clip_fraction": masked_mean((clipped > unclipped).float(), mask).item(),
             "approx_kl": masked_mean((ratio - 1) - log_ratio, mask).item(),
             "ratio_mean": masked_mean(ratio, mask).item(),
+        }
+    return loss, stats
+
+
+def decoupled_ppo_policy_loss(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
+                               advantages: torch.Tensor, mask: torch.Tensor | None = None, clip: float = 0.2,
+                               max_weight: float = 5.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """The decoupled PPO objective for stale data (AReaL, Fu et al. 2025), to minimise: replies
+    sampled by a behaviour policy mu (an older adapter version) train the current policy pi against
+    the proximal policy pi_prox (the weights at the start of this update, whose log-probabilities the
+    learner recomputes). With ratio = pi / pi_prox and the importance weight
+    w = min(pi_prox / mu, ``max_weight``), taken as a constant::
+
+        loss = masked_mean( w * max(-A * ratio, -A * clamp(ratio, 1 - clip, 1 + clip)) )
+
+    The clip keeps pi near pi_prox (a trust region around the policy being updated, not around the
+    stale one); w corrects for sampling from mu, capped so that one unlikely reply cannot dominate
+    (truncated importance sampling; AReaL leaves such tokens out instead). With mu = pi_prox (fresh
+    data), w = 1 and this is :func:`ppo_policy_loss` exactly. Shapes as there: token level [B, T]
+    with ``mask``, action level [B].
+
+    Returns ``(loss, stats)``: those of :func:`ppo_policy_loss` (against pi_prox), and
+    ``importance_weight_mean`` (w before the cap) and ``capped_fraction`` (share of entries where the
+    cap applied), over the valid entries.
+    """
+    surrogate_log_ratio = logprobs - proximal_logprobs
+    stale_log_ratio = (proximal_logprobs - behaviour_logprobs).detach()
+    if mask is not None:  # padding may hold anything; keep exp() finite there
+        surrogate_log_ratio = torch.where(mask.bool(), surrogate_log_ratio, 0.0)
+        stale_log_ratio = torch.where(mask.bool(), stale_log_ratio, 0.0)
+    ratio = torch.exp(surrogate_log_ratio)
+    raw = torch.exp(stale_log_ratio)
+    weight = torch.clamp(raw, max=max_weight)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip, 1.0 + clip)
+    loss = masked_mean(weight * torch.maximum(unclipped, clipped), mask)
+    with torch.no_grad():
+        stats = {
+            "clip_fraction": masked_mean((clipped > unclipped).float(), mask).item(),
+            "approx_kl": masked_mean((ratio - 1) - surrogate_log_ratio, mask).item(),
+            "ratio_mean": masked_mean(ratio, mask).item(),
+            "importance_weight_mean": masked_mean(raw, mask).item(),
+            "capped_fraction": masked_mean((raw > max_weight).float(), mask).item(),
         }
     return loss, stats
 
