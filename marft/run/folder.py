@@ -31,6 +31,7 @@ class RunFolder:
         self.path = Path(path)
         self.checkpoint = checkpoint
         self.metrics_path = self.path / "metrics.jsonl"
+        self._saved: RunConfig | None = None
 
     @classmethod
     def new(cls, path: str | Path, config_file: str | Path | None = None) -> "RunFolder":
@@ -54,7 +55,9 @@ class RunFolder:
     def saved_config(self) -> RunConfig:
         """The config the checkpoint was written with, its ``output_dir`` this folder (wherever it
         is now: a relative path, another working directory)."""
-        return load_config(self.checkpoint / "config.yaml", [("output_dir", str(self.path))])
+        if self._saved is None:  # read once: resuming and checking a given config both compare with it
+            self._saved = load_config(self.checkpoint / "config.yaml", [("output_dir", str(self.path))])
+        return self._saved
 
     def config(self, overrides: Iterable = ()) -> RunConfig:
         """The resumed run's config: the saved one with ``overrides`` (``"key=value"`` or
