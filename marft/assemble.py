@@ -41,7 +41,13 @@ def build_trainer(cfg: RunConfig, team, models, make_env, log=print, engine: Eng
             engine.close()
             raise
     else:
-        episodes, policy = LocalEpisodes(cfg, team, engine, make_env), LocalPolicy(cfg, models, team.adapters, log=log)
+        if cfg.train.max_staleness:  # asynchronous training: episodes played ahead of the learner
+            from .run.asynchronous import AsyncEpisodes
+
+            episodes = AsyncEpisodes(cfg, team, engine, models, make_env, log=log)
+        else:
+            episodes = LocalEpisodes(cfg, team, engine, make_env)
+        policy = LocalPolicy(cfg, models, team.adapters, log=log)
     return Trainer(cfg, team, models, episodes, policy, critic, log=log)
 
 

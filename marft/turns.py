@@ -28,6 +28,7 @@ class Turn:
     texts: list[str]  # decoded replies
     states: list[str]  # global state (whole transcript) before the agent acted, for a centralised critic
     messages: list[list[dict]] | None = None  # an agent program's turns: the chat messages it sent (None: marft's team loop)
+    versions: torch.Tensor | None = None  # [b] long: the adapter version (policy updates so far) that generated each reply; None: the current one (a synchronous run)
 
 
 @dataclass
@@ -67,7 +68,8 @@ class Rollout:
             turns.append(Turn(t.step, t.agent, new_index[t.episodes[rows]], t.prompt_ids[rows], t.prompt_mask[rows],
                               t.response_ids[rows], t.response_mask[rows], t.logprobs[rows], t.truncated[rows],
                               [t.texts[i] for i in r], [t.states[i] for i in r],
-                              None if t.messages is None else [t.messages[i] for i in r]))
+                              None if t.messages is None else [t.messages[i] for i in r],
+                              None if t.versions is None else t.versions[rows]))
         idx = keep.nonzero().flatten().tolist()
         return Rollout(turns, self.rewards[keep], self.agent_rewards[keep], self.dones[keep], self.steps[keep],
                        self.success[keep], self.extracted[keep], self.seconds, self.gen_seconds,
@@ -111,7 +113,9 @@ def merge_rollouts(parts: list[Rollout], agents: list[str]) -> Rollout:
                           _pad_rows([t.logprobs for t in ts], R, False), torch.cat([t.truncated for t in ts]),
                           [x for t in ts for x in t.texts], [x for t in ts for x in t.states],
                           None if all(t.messages is None for t in ts) else
-                          [x for t in ts for x in (t.messages or [None] * len(t.texts))]))
+                          [x for t in ts for x in (t.messages or [None] * len(t.texts))],
+                          None if all(t.versions is None for t in ts) else
+                          torch.cat([t.versions if t.versions is not None else torch.full((len(t.texts),), -1) for t in ts])))
     cat = lambda name: torch.cat([getattr(p, name) for p in parts])  # noqa: E731
     return Rollout(turns, cat("rewards"), cat("agent_rewards"), cat("dones"), cat("steps"), cat("success"),
                    cat("extracted"), max(p.seconds for p in parts), max(p.gen_seconds for p in parts),

@@ -187,12 +187,18 @@ class RayEpisodes:
     def before_update(self) -> None:
         self.engine.before_update()
 
-    def publish(self, adapters: list[str]) -> None:
+    def publish(self, adapters: list[str], version: int) -> None:
         """Every rollout worker acts with the driver's weights of ``adapters`` from now on (one
         object in Ray's store, read by all); the driver's engine too."""
         if adapters:
             self._broadcast({a: self.models.adapter_state(a) for a in adapters})
         self.engine.update()
+
+    def state(self) -> dict:
+        return {}
+
+    def load(self, state: dict) -> None:
+        pass
 
     def _broadcast(self, states: dict) -> None:
         ray = _ray()
@@ -365,7 +371,7 @@ def ray_parts(cfg, team, models, engine, log=print):
     try:
         episodes = RayEpisodes(cluster, models, engine)
         policy = RayPolicy(cluster, models)
-        episodes.publish(list(team.adapters))
+        episodes.publish(list(team.adapters), 0)
     except BaseException:  # the actors made so far go, and Ray if this run started it (the caller closes the engine)
         if policy is not None:
             policy.close()

@@ -330,6 +330,28 @@ class TeamModel:
                 p.requires_grad_("lora_" in name)
             self._lora[id(peft)] = [p for name, p in peft.named_parameters() if "lora_" in name]
 
+    def replica(self, share_base: bool = True) -> "TeamModel":
+        """Another :class:`TeamModel` with the same weights, for a thread that generates beside the
+        learner (asynchronous training, :mod:`marft.run.asynchronous`): its own LoRA weights (never
+        trained: no gradients), modules and tokenizers; with ``share_base`` the frozen base weights and
+        buffers are the same tensors as here (neither side writes them: one base model in memory),
+        else copied (``rollout.fold_adapters`` folds an adapter into the base weights in place)."""
+        memo: dict[int, object] = {id(self.team): self.team}
+        if share_base:
+            for peft in self.bases.values():
+                for name, p in peft.named_parameters():
+                    if "lora_" not in name:
+                        memo[id(p)] = p
+                for b in peft.buffers():
+                    memo[id(b)] = b
+        twin = copy.deepcopy(self, memo)
+        twin._lora, twin._pristine = {}, {}
+        for peft in twin.bases.values():
+            for name, p in peft.named_parameters():
+                if "lora_" in name:
+                    p.requires_grad_(False)
+        return twin
+
     def _activate(self, model, adapter: str) -> None:
         """Make ``adapter`` the acting one. peft's ``set_adapter`` also leaves only its weights
         trainable; here every adapter's stay so (each has its own optimiser, and only the acting

@@ -123,18 +123,28 @@ class Algorithm:
         return torch.stack([advantages[i][r] for i, r in rows])
 
     def policy_loss(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                    response_mask: torch.Tensor, train: Any, texts: list[str] | None = None) -> tuple[torch.Tensor, dict]:
+                    response_mask: torch.Tensor, train: Any, texts: list[str] | None = None,
+                    behaviour_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         """This algorithm's clipped PPO surrogate (:func:`marft.maths.losses.ppo_policy_loss`) on one
         micro-batch: ``logprobs``, ``old_logprobs`` [n, R] per reply token, ``advantages`` from
         :meth:`row_advantages`. Token level: a ratio per token, the mean over reply tokens; action
         level: a ratio per reply, its log-probability summed, averaged or per word
-        (``train.logprob``; ``texts`` give the words), the mean over replies. (loss, statistics)."""
+        (``train.logprob``; ``texts`` give the words), the mean over replies. With
+        ``behaviour_logprobs`` [n, R] (stale data: the policy that sampled the replies, an older
+        adapter version; ``old_logprobs`` is then the proximal policy's), the decoupled objective
+        (:func:`marft.maths.losses.decoupled_ppo_policy_loss`) at the same level. (loss, statistics)."""
         if self.token_level:
-            return losses.ppo_policy_loss(logprobs, old_logprobs, advantages, response_mask, train.clip)
+            if behaviour_logprobs is None:
+                return losses.ppo_policy_loss(logprobs, old_logprobs, advantages, response_mask, train.clip)
+            return losses.decoupled_ppo_policy_loss(logprobs, old_logprobs, behaviour_logprobs, advantages,
+                                                    response_mask, train.clip, train.max_importance_weight)
         words = torch.tensor([len(x.split()) for x in texts]) if train.logprob == "word" else None
         new = losses.action_logprobs(logprobs, response_mask, train.logprob, words)
         old = losses.action_logprobs(old_logprobs, response_mask, train.logprob, words)
-        return losses.ppo_policy_loss(new, old, advantages, None, train.clip)
+        if behaviour_logprobs is None:
+            return losses.ppo_policy_loss(new, old, advantages, None, train.clip)
+        behaviour = losses.action_logprobs(behaviour_logprobs, response_mask, train.logprob, words)
+        return losses.decoupled_ppo_policy_loss(new, old, behaviour, advantages, None, train.clip, train.max_importance_weight)
 
     def normalise(self, out: "Rollout", advs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each turn's advantages whitened (``train.normalize_advantages``) over the whole batch or,

@@ -345,6 +345,26 @@ class TrainConfig:
     max_bad_updates: int = 5
     """Stop the run (exit status 2, the last checkpoint kept) after this many policy updates in a row
     were skipped for non-finite log-probabilities, losses or gradients; 0 = never stop."""
+    max_staleness: int = 0
+    """Asynchronous training (docs/scaling.md): 0 = synchronous, every iteration plays its episodes
+    with the newest adapters, then updates. k >= 1: a generation thread keeps playing episodes, on
+    its own copy of the adapters (the base weights shared), while the learner updates; every reply
+    records the adapter version (policy updates so far) that produced it, an update trains only on
+    replies at most k versions old, and stale replies are trained with the decoupled PPO objective
+    (:func:`marft.maths.losses.decoupled_ppo_policy_loss`). The hf engine in one process."""
+    async_mode: str = "pipelined"
+    """With ``max_staleness`` k >= 1: ``pipelined`` plays iteration t's episodes (the problems and
+    sampler seeds a synchronous run plays) with exactly version max(0, t - k), a whole batch at a
+    time, so the same seed gives the same run (k = 1 is verl's one-step-off); ``streaming`` plays
+    chunks of ``async_chunk`` episodes with the newest adapters and fills each batch with episodes as
+    they complete, so a slow or hung episode delays only its chunk; episodes that come back more
+    than k versions old are dropped and counted; which episodes form a batch depends on timing."""
+    max_importance_weight: float = 5.0
+    """Stale replies: the cap on the decoupled objective's importance weight pi_prox / mu (a reply far
+    likelier under the proximal policy than under the one that sampled it weighs at most this)."""
+    async_chunk: int = 0
+    """``streaming``: episodes per chunk (a multiple of ``group_size`` for a grouped algorithm, dividing
+    ``rollout.episodes``); 0 = a quarter of ``rollout.episodes`` (whole groups)."""
 
 
 @dataclass
@@ -702,10 +722,49 @@ def validate(cfg: RunConfig) -> None:
     _check(not lg.mlflow or bool(lg.mlflow_experiment.strip()),
            "log.mlflow_experiment is empty; name the MLflow experiment, e.g. log.mlflow_experiment=marft")
     _check(cfg.threads >= 0, f"threads must be 0 (default) or positive, got {cfg.threads}")
+    _validate_async(cfg)
     from ..team import build_team
 
     team = build_team(cfg.team)  # names, graph, adapters: raises UserError with the reason
     _validate_cluster(cfg, team)
+
+
+def _validate_async(cfg: RunConfig) -> None:
+    """``train.max_staleness`` and its companions (asynchronous training)."""
+    from ..maths.algorithms import ALGORITHMS
+
+    tr, r = cfg.train, cfg.rollout
+    _check(tr.max_staleness >= 0, f"train.max_staleness must be 0 (synchronous) or a number of versions >= 1, got {tr.max_staleness}")
+    _check(tr.async_mode in ("pipelined", "streaming"), f"train.async_mode must be pipelined or streaming, got {tr.async_mode!r}")
+    _check(tr.max_importance_weight >= 1, f"train.max_importance_weight must be at least 1, got {tr.max_importance_weight:g}")
+    _check(tr.async_chunk >= 0, f"train.async_chunk must be 0 (a quarter of rollout.episodes) or positive, got {tr.async_chunk}")
+    if not tr.max_staleness:
+        return
+    _check(r.engine == "hf", f"train.max_staleness > 0 runs on the hf engine for now, not rollout.engine={r.engine}; "
+                             "set rollout.engine=hf or train.max_staleness=0")
+    _check(cfg.cluster.rollout_workers == 0, "train.max_staleness > 0 runs in one process for now, not with "
+                                             "cluster.rollout_workers; set cluster.rollout_workers=0 or train.max_staleness=0")
+    if tr.async_mode == "streaming":
+        size = tr.group_size if ALGORITHMS[tr.algorithm].grouped else 1
+        chunk = async_chunk(cfg)
+        _check(chunk % size == 0 and r.episodes % chunk == 0,
+               f"train.async_chunk ({chunk}) must divide rollout.episodes ({r.episodes})"
+               + (f" and be a multiple of train.group_size ({size})" if size > 1 else ""))
+
+
+def async_chunk(cfg: RunConfig) -> int:
+    """Episodes per chunk of a streaming asynchronous run: ``train.async_chunk``, or about a quarter of
+    ``rollout.episodes`` in whole groups that divide it (at least one group)."""
+    if cfg.train.async_chunk:
+        return cfg.train.async_chunk
+    from ..maths.algorithms import ALGORITHMS
+
+    size = cfg.train.group_size if ALGORITHMS[cfg.train.algorithm].grouped else 1
+    groups = max(cfg.rollout.episodes // size, 1)
+    per_chunk = max(1, groups // 4)
+    while groups % per_chunk:
+        per_chunk -= 1
+    return size * per_chunk
 
 
 def _validate_task(t: TaskConfig, w: str) -> None:

@@ -65,10 +65,15 @@ class PolicyBatch:
     advantages: list[torch.Tensor]
     rows: list[Pair]
     orders: list[list[Pair]]
+    version: int | None = None
+    """The version of the adapter being updated (policy updates so far), where the turns record the
+    versions that generated them (asynchronous training): rows of an older version are stale and
+    trained with the decoupled objective (:meth:`stale`). None: every row is fresh."""
     packed: list | None = field(default=None, repr=False, compare=False)  # see packed_rows
 
     @classmethod
-    def of(cls, turns: list[Turn], advantages: list[torch.Tensor], rows: list[Pair], orders: list[list[Pair]]) -> PolicyBatch:
+    def of(cls, turns: list[Turn], advantages: list[torch.Tensor], rows: list[Pair], orders: list[list[Pair]],
+           version: int | None = None) -> PolicyBatch:
         """The batch of ``rows`` and ``orders`` (pairs indexing ``turns`` and ``advantages``, all of a
         rollout's): only the turns they use, renumbered in order (what a Ray learner is sent)."""
         used = sorted({i for i, _ in rows})
@@ -77,7 +82,15 @@ class PolicyBatch:
         def remap(pairs: list[Pair]) -> list[Pair]:
             return [(new[i], r) for i, r in pairs]
 
-        return cls([turns[i] for i in used], [advantages[i] for i in used], remap(rows), [remap(o) for o in orders])
+        return cls([turns[i] for i in used], [advantages[i] for i in used], remap(rows), [remap(o) for o in orders], version)
+
+    def stale(self, mb: list[Pair]) -> torch.Tensor | None:
+        """[b] bool: which rows of ``mb`` an older adapter version generated; None when none did."""
+        if self.version is None:
+            return None
+        flags = torch.tensor([self.turns[i].versions is not None and int(self.turns[i].versions[r]) < self.version
+                              for i, r in mb], dtype=torch.bool)
+        return flags if bool(flags.any()) else None
 
     def packed_rows(self) -> list[list[packing.Row]]:
         """Every turn's rows without padding (:func:`marft.engines.packing.unpad`), made on first use."""
@@ -108,6 +121,7 @@ class UpdateStats:
     behaviour_flops: float = 0.0  # needed FLOPs (marft.engines.packing.needed_work) of the behaviour pass
     learner_flops: float = 0.0  # of the updates' forward + backward passes (and reference forwards)
     behaviour_s: float = 0.0  # seconds of the behaviour pass (the rest of the update is the learner's)
+    stale: dict = field(default_factory=dict)  # stale rows (asynchronous training): importance_weight, capped_fraction, their means over steps
 
     STATS = ("policy_loss", "entropy", "approx_kl", "clip_fraction", "kl_ref", "grad_norm")
 
@@ -122,7 +136,8 @@ class UpdateStats:
 
     def metrics(self, prefix: str = "") -> dict:
         """The statistics as metrics, names prefixed with ``prefix`` (see :func:`metric_prefix`)."""
-        return {**{prefix + k: getattr(self, k) for k in self.STATS}, prefix + "early_stop": self.early_stop}
+        return {**{prefix + k: getattr(self, k) for k in self.STATS}, prefix + "early_stop": self.early_stop,
+                **{prefix + k: v for k, v in self.stale.items()}}
 
 
 def metric_prefix(adapter: str, n_adapters: int) -> str:
@@ -176,6 +191,7 @@ class AdapterLearner:
         st.behaviour_flops = self._needed(packed, recompute, backward=False)
         agg = dict.fromkeys(UpdateStats.STATS, 0.0)
         n_mb, stopped = 0, False
+        stale, stale_n = {}, {}
         for order in batch.orders:
             for lo in range(0, len(order), tr.minibatch_size):
                 mb = order[lo:lo + tr.minibatch_size]
@@ -204,6 +220,10 @@ class AdapterLearner:
                     on_update(True)
                 for k in agg:
                     agg[k] += mb_stats.get(k, 0.0) if k != "grad_norm" else float(gn)
+                for k in ("importance_weight", "capped_fraction"):  # only where the minibatch held stale rows
+                    if k in mb_stats:
+                        stale[k] = stale.get(k, 0.0) + mb_stats[k]
+                        stale_n[k] = stale_n.get(k, 0) + 1
                 n_mb += 1
                 if tr.target_kl and mb_stats["approx_kl"] > tr.target_kl:
                     stopped = True
@@ -212,6 +232,7 @@ class AdapterLearner:
                 break
         for k, v in agg.items():
             setattr(st, k, v / max(n_mb, 1))
+        st.stale = {k: v / stale_n[k] for k, v in stale.items()}
         st.early_stop = stopped
         return st
 
@@ -274,6 +295,7 @@ class AdapterLearner:
         stats = {"policy_loss": 0.0, "entropy": 0.0, "approx_kl": 0.0, "clip_fraction": 0.0, "kl_ref": 0.0, "used": 0}
         skipped = 0
         mb_tokens = sum(int(turns[i].response_mask[r].sum()) for i, r in mb)
+        stale_w = 0.0
         for chunk in self._my_share(self._micro_batches(batch, mb)):
             agent = turns[chunk[0][0]].agent
             R = max(turns[i].response_ids.shape[1] for i, _ in chunk)
@@ -295,7 +317,12 @@ class AdapterLearner:
                 skipped += 1
                 continue
             a = self.algorithm.row_advantages(norm_adv, turns, chunk, R).to(lp.device)
-            pl, st = self.algorithm.policy_loss(lp, old_lp, a, rmask, tr, [turns[i].texts[r] for i, r in chunk])
+            # stale rows (an older adapter's replies): the rollout's log-probs are the behaviour policy's,
+            # ``old_lp`` the proximal one's; fresh rows have behaviour = proximal (importance weight 1)
+            stale = batch.stale(chunk)
+            behaviour = None if stale is None else torch.where(stale[:, None].to(lp.device),
+                                                               _gather(turns, chunk, "logprobs", R).to(lp.device), old_lp)
+            pl, st = self.algorithm.policy_loss(lp, old_lp, a, rmask, tr, [turns[i].texts[r] for i, r in chunk], behaviour)
             w = w_tok if self.algorithm.token_level else w_rows
             loss = w * pl
             if ent is not None:
@@ -314,6 +341,13 @@ class AdapterLearner:
             stats["policy_loss"] += w * float(pl.detach())
             stats["approx_kl"] += w * st["approx_kl"]
             stats["clip_fraction"] += w * st["clip_fraction"]
+            if "importance_weight_mean" in st:  # stale rows: the decoupled objective's weights
+                stale_w += w
+                stats["importance_weight"] = stats.get("importance_weight", 0.0) + w * st["importance_weight_mean"]
+                stats["capped_fraction"] = stats.get("capped_fraction", 0.0) + w * st["capped_fraction"]
+        for k in ("importance_weight", "capped_fraction"):  # a mean over the stale micro-batches
+            if k in stats:
+                stats[k] /= max(stale_w, 1e-12)
         return {**stats, "skipped": skipped}
 
     def _micro_batches(self, batch: PolicyBatch, rows: list[Pair]) -> list[list[Pair]]:

@@ -315,9 +315,13 @@ def _limited(sampling: Sampling, agent) -> Sampling:
 
 
 def _turn(t: int, agent: str, episodes: list[int], out, states: list[str]) -> Turn:
+    """Micro-step (t, agent) of ``episodes`` from the engine's batch ``out``; an engine that stamps
+    its batches with the adapter version that generated them (asynchronous training:
+    :mod:`marft.run.asynchronous`) has that version recorded on every row."""
+    version = getattr(out, "version", None)
     return Turn(t, agent, torch.tensor(episodes, dtype=torch.long), out.prompt_ids.cpu(), out.prompt_mask.cpu(),
                 out.response_ids.cpu(), out.response_mask.cpu(), out.logprobs.cpu(), out.truncated.cpu(),
-                out.texts, states)
+                out.texts, states, versions=None if version is None else torch.full((len(episodes),), version))
 
 
 def _request_seed(base: int, e: int, t: int, i: int) -> int:

@@ -36,20 +36,18 @@ so a resumed run repeats an uninterrupted one.
 """
 from __future__ import annotations
 
-import random
 import time
 from pathlib import Path
 
 import torch
 
 from ..engines import flops, packing
-from ..envs.mixture import draw_tasks, weight_at
 from ..errors import UserError
 from ..maths.algorithms import ALGORITHMS, TargetInputs, TurnTargets
 from ..turns import Rollout
 from .checkpoints import latest_checkpoint, read_state, write_checkpoint
 from .config import RunConfig, is_workflow, save_config, task_label
-from .episodes import EpisodeSource, iteration_seed
+from .episodes import EpisodeSource, episode_resets, iteration_seed
 from .learner import PolicyBatch, metric_prefix
 from .updates import CriticLearner, PolicyUpdate
 
@@ -113,7 +111,7 @@ class Trainer:
         trained = self.trained_agents(it)
         self.episodes.before_update()
         policy_stats, updated = self.update_policy(out, targets, trained) if trained else ({}, [])
-        self.episodes.publish(updated)
+        self.episodes.publish(updated, self.iteration + 1)
         times["policy_update_s"] = time.perf_counter() - t3
         times["behaviour_logprobs_s"] = self._behaviour_s
         times["learner_s"] = times["policy_update_s"] - self._behaviour_s
@@ -204,20 +202,9 @@ class Trainer:
         return stats
 
     def resets(self, it: int) -> list[tuple[int, dict]]:
-        """The (seed, options) of each training episode of iteration ``it`` (grouped algorithms:
-        ``train.group_size`` episodes of each problem, one after another)."""
-        cfg, tr = self.cfg, self.cfg.train
-        rng = random.Random(iteration_seed(cfg, it))
-        E = cfg.rollout.episodes
-        size = tr.group_size if self.algo.grouped else 1
-        seeds = [rng.randrange(2**62) for _ in range(E // size)]
-        if not cfg.tasks:
-            return [(p, {"split": "train"}) for p in seeds for _ in range(size)]
-        # a mixture: each problem's task drawn by the tasks' weights at this iteration, from its own stream
-        labels = [task_label(t) for t in cfg.tasks]
-        drawn = draw_tasks(labels, [weight_at(t.weight, it) for t in cfg.tasks], len(seeds),
-                           random.Random(iteration_seed(cfg, it, 4)))
-        return [(p, {"split": "train", "task": task}) for p, task in zip(seeds, drawn) for _ in range(size)]
+        """The (seed, options) of each training episode of iteration ``it``
+        (:func:`marft.run.episodes.episode_resets`)."""
+        return episode_resets(self.cfg, it)
 
     def play(self, it: int) -> Rollout:
         """Step 1: the training episodes of iteration ``it``, played by the ``episodes`` part."""
@@ -243,7 +230,9 @@ class Trainer:
         """The ``policy`` part's update of each trained adapter, from the plan of :meth:`plan_policy`:
         the iteration's policy metrics, and the adapters updated."""
         plan = self.plan_policy(out, targets, trained)
-        batches = {adapter: PolicyBatch.of(out.turns, plan["advantages"], rows, orders)
+        # replies of older adapter versions (asynchronous training) are trained as stale data
+        version = self.iteration if any(t.versions is not None for t in out.turns) else None
+        batches = {adapter: PolicyBatch.of(out.turns, plan["advantages"], rows, orders, version)
                    for adapter, (rows, orders) in plan["adapters"].items()}
         results = self.policy.update(batches, self.iteration, self._count_update)
         stats: dict = {}
@@ -315,6 +304,7 @@ class Trainer:
         (:mod:`marft.run.checkpoints`): the adapters (PEFT format), the critic, the optimisers, the RNG
         state and the config."""
         policy_opt = self.policy.optimizer_states()
+        episodes = self.episodes.state()  # an asynchronous source: the older adapter versions it plays with
 
         def fill(folder: Path) -> None:
             self.models.save_adapters(folder / "adapters")
@@ -327,6 +317,7 @@ class Trainer:
                 "adapters": self.team.adapters,
                 "algorithm": self.algorithm,
                 "bad_in_a_row": self.bad_in_a_row,
+                **({"episodes": episodes} if episodes else {}),
             }, folder / "trainer.pt")
             save_config(self.cfg, folder / "config.yaml")
 
@@ -349,9 +340,10 @@ class Trainer:
         self.models.load_adapters(checkpoint / "adapters")
         self.critic.load(state)
         self.policy.load(state["policy_opt"])  # the config's learning rates, not the saved ones: an override on resume counts
-        self.episodes.publish(list(self.team.adapters))
-        torch.set_rng_state(state["torch_rng"])
         self.iteration = state["iteration"]
+        self.episodes.load(state.get("episodes", {}))
+        self.episodes.publish(list(self.team.adapters), self.iteration)
+        torch.set_rng_state(state["torch_rng"])
         self.bad_in_a_row = state.get("bad_in_a_row", 0)
 
 

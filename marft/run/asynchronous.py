@@ -1,0 +1,321 @@
+"""Asynchronous training (``train.max_staleness`` k >= 1): an episode source
+(:class:`marft.run.episodes.EpisodeSource`) that keeps playing episodes while the learner updates.
+
+Generation runs in threads of this process on a replica of the team's models
+(:meth:`marft.engines.models.TeamModel.replica`: its own LoRA weights, the frozen base weights
+shared), so the learner can change its adapters while episodes are being played. The learner's
+adapters after ``v`` policy updates are *version* v; :meth:`AsyncEpisodes.publish` keeps a copy of
+each version still allowed to play, and the generation side loads one before it generates. Every
+reply records the version that generated it (:attr:`marft.turns.Turn.versions`); the trainer's
+batch for iteration t (trained by version t) trains a reply of version v as stale data when v < t,
+with the decoupled PPO objective (:func:`marft.maths.losses.decoupled_ppo_policy_loss`: the
+rollout's log-probabilities are the behaviour policy's, the learner's recomputed ones the proximal
+policy's). The critic's values and the advantages are computed when the batch is trained, by the
+critic as it is then (as for fresh data).
+
+Two modes (``train.async_mode``):
+
+* ``pipelined``: iteration t plays the episodes a synchronous run plays at t (its problems and
+  sampler seed) with exactly version max(0, t - k), a whole batch at a time in one thread; so
+  batch t is generated while the learner trains on batches t - k .. t - 1, every reply is exactly
+  min(t, k) versions old, nothing is dropped, and the same seed gives the same run, resumed or not
+  (a checkpoint keeps the k older versions the next batches play with). k = 1 is verl's
+  one-step-off pipeline.
+* ``streaming``: the episodes of iterations t, t + 1, ... (their problems and seeds) are played in
+  chunks of ``train.async_chunk`` in threads of their own, each chunk started only once version
+  t - k exists; generation calls take turns on the one engine (its lock), each with the newest
+  version, so a chunk's later turns may come from newer versions than its first; env steps and tool
+  calls of the chunks overlap. A batch takes chunks in the order they complete, so a slow or hung
+  episode delays only its chunk (up to ``rollout.env_timeout_s``); a chunk whose oldest reply is
+  more than k versions older than the batch's iteration is dropped and counted. For a grouped
+  algorithm a chunk holds whole groups, so a group's episodes share their versions turn by turn.
+  Which episodes form a batch depends on timing: runs are not reproducible.
+
+Episodes still being played when a run stops or is killed are discarded; a checkpoint records how
+many there were, and the resumed run counts them (``async/discarded``). The CPU's threads are split
+between the learner (this thread) and generation, half each (at least one).
+
+Metrics per iteration: ``async/staleness_mean`` and ``async/staleness_max`` (versions, over the
+batch's replies), ``async/dropped`` (episodes), ``async/learner_wait_s`` (the trainer waited for the
+batch), ``async/generation_wait_s`` (generation waited for weights, since the last batch),
+``async/ahead`` (episodes played or being played beyond the batch when it was handed over).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from ..engines import Engine, HFEngine
+from ..turns import Rollout, merge_rollouts
+from .config import RunConfig, async_chunk
+from .episodes import episode_resets, iteration_seed
+
+
+class _Cancelled(BaseException):
+    """Raised in a generation thread's next engine call once the source is closing."""
+
+
+class _Versioned:
+    """The generation engine as the playing threads see it: one call at a time, each with the newest
+    version of the adapters the source holds (``newest``; else the version already loaded), the batch
+    stamped with it (``Generated.version``); once the source is closing, a call raises
+    :class:`_Cancelled`, ending the episodes it was for."""
+
+    def __init__(self, inner: Engine, source: "AsyncEpisodes", newest: bool):
+        self.inner, self.source, self.newest = inner, source, newest
+
+    def generate(self, agent, chats, sampling, generator=None):
+        with self.source.engine_lock:
+            if self.source.stopping:
+                raise _Cancelled()
+            version = self.source.load_newest() if self.newest else self.source.loaded
+            out = self.inner.generate(agent, chats, sampling, generator)
+        out.version = version
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class AsyncEpisodes:
+    """Episodes played ahead of the learner (the module docstring). ``engine`` evaluates the team on
+    the learner's ``models``; generation runs on a replica of them."""
+
+    def __init__(self, cfg: RunConfig, team, engine: Engine, models, make_env, log=print):
+        self.cfg, self.team, self.engine, self.models, self.make_env, self.log = cfg, team, engine, models, make_env, log
+        self.k = cfg.train.max_staleness
+        self.mode = cfg.train.async_mode
+        self.E = cfg.rollout.episodes
+        r = cfg.rollout
+        self.gen_models = models.replica(share_base=not r.fold_adapters)
+        self.gen_engine = HFEngine(self.gen_models, fast=cfg.train.fast, merge=r.fold_adapters, compile=r.compile)
+        self._threads_before = torch.get_num_threads()  # restored by close()
+        self.gen_threads = max(1, self._threads_before // 2)
+        torch.set_num_threads(max(1, self._threads_before - self.gen_threads))
+        self.cv = threading.Condition()
+        self.engine_lock = threading.Lock()
+        self.versions: dict[int, dict[str, dict[str, torch.Tensor]]] = {}  # version -> adapter -> LoRA weights
+        self.latest = -1
+        self.loaded = -1  # the version in gen_models
+        self._stats = {"generation_wait_s": 0.0}
+        self._blocked_since: float | None = None
+        self._snapshot(0)
+        self.threads: list[threading.Thread] = []
+        self.stopping = False
+        self.error: BaseException | None = None
+        self.results: dict[int, Rollout] = {}  # pipelined: iteration -> its batch
+        self.done: list[Rollout] = []  # streaming: chunks in the order they completed
+        self.next_job = None  # streaming: the next chunk to play, (iteration, chunk)
+        self.running = 0  # episodes being played
+        self.discarded = 0  # episodes in flight when the run was checkpointed, counted once on resume
+
+    # ------------------------------------------------------------------ versions
+    def _snapshot(self, version: int) -> None:
+        """Keep the learner's adapters as ``version`` and forget versions no batch may play any more."""
+        state = {a: {n: t.detach().clone() for n, t in self.models.adapter_state(a).items()} for a in self.team.adapters}
+        with self.cv:
+            self.versions[version] = state
+            self.latest = max(self.latest, version)
+            for v in [v for v in self.versions if v < self.latest - self.k]:
+                del self.versions[v]
+            self._unblock()
+            self.cv.notify_all()
+
+    def _load(self, version: int) -> None:
+        """Generation's adapters become ``version`` (called with the engine's lock held, or by the only
+        generating thread)."""
+        if version != self.loaded:
+            with self.cv:
+                state = self.versions[version]
+            for a, weights in state.items():
+                self.gen_models.load_adapter_state(a, weights)
+            self.loaded = version
+
+    def load_newest(self) -> int:
+        """Streaming: load the newest version before a generation call (the engine's lock held)."""
+        with self.cv:
+            newest = self.latest
+        self._load(newest)
+        return newest
+
+    def _wait_for(self, ready) -> bool:
+        """Wait (the condition held) until ``ready()`` or the source stops. The wall time during which
+        some generation thread is held back by the bound counts as generation waiting for weights
+        (once, however many threads wait). False when stopping."""
+        while not ready() and not self.stopping:
+            if self._blocked_since is None:
+                self._blocked_since = time.perf_counter()
+            self.cv.wait(0.5)
+        self._unblock()
+        return not self.stopping
+
+    def _unblock(self) -> None:
+        """The bound no longer holds generation back: its wait ends (the condition held)."""
+        if self._blocked_since is not None:
+            self._stats["generation_wait_s"] += time.perf_counter() - self._blocked_since
+            self._blocked_since = None
+
+    # ------------------------------------------------------------------ generation threads
+    def _start(self, it: int) -> None:
+        if self.mode == "pipelined":
+            targets = [(self._pipelined, (it,))]
+        else:
+            self.chunk = async_chunk(self.cfg)
+            self.next_job = (it, 0)
+            n = min(64, (self.k + 1) * (self.E // self.chunk))
+            targets = [(self._streaming, ())] * n
+        for k, (fn, args) in enumerate(targets):
+            t = threading.Thread(target=self._guard, args=(fn, args), daemon=True, name=f"marft-generation-{k}")
+            self.threads.append(t)
+            t.start()
+
+    def _guard(self, fn, args) -> None:
+        torch.set_num_threads(self.gen_threads)
+        stream = torch.cuda.Stream() if self.gen_models_on_cuda() else None
+        try:
+            if stream is not None:
+                with torch.cuda.stream(stream):
+                    fn(*args)
+            else:
+                fn(*args)
+        except _Cancelled:
+            pass
+        except BaseException as e:  # noqa: BLE001 - handed to the trainer's next play()
+            with self.cv:
+                self.error = self.error or e
+                self.cv.notify_all()
+
+    def gen_models_on_cuda(self) -> bool:
+        return next(iter(self.gen_models.bases.values())).device.type == "cuda"
+
+    def _play(self, resets, seed: int) -> Rollout:
+        from .rollout import play
+
+        engine = _Versioned(self.gen_engine, self, newest=self.mode == "streaming")
+        return play(self.cfg, self.team, engine, self.make_env, resets, seed)
+
+    def _pipelined(self, t: int) -> None:
+        """Iteration t's batch with version max(0, t - k), for t = the first iteration onwards."""
+        while t < self.cfg.train.iterations:
+            need = max(0, t - self.k)
+            with self.cv:
+                if not self._wait_for(lambda: need <= self.latest):
+                    return
+                self.running = self.E
+            self._load(need)
+            out = self._play(episode_resets(self.cfg, t), iteration_seed(self.cfg, t, 1))
+            for turn in out.turns:
+                turn.versions = torch.full((len(turn.texts),), need)
+            with self.cv:
+                self.results[t] = out
+                self.running = 0
+                self.cv.notify_all()
+            t += 1
+            if self.stopping:
+                return
+
+    def _streaming(self) -> None:
+        """Chunks of the episode stream, one after another, each once version t - k exists."""
+        per = self.E // self.chunk
+        while True:
+            with self.cv:
+                if not self._wait_for(lambda: self.next_job[0] - self.k <= self.latest):
+                    return
+                t, q = self.next_job
+                self.next_job = (t, q + 1) if q + 1 < per else (t + 1, 0)
+                self.running += self.chunk
+            resets = episode_resets(self.cfg, t)[q * self.chunk:(q + 1) * self.chunk]
+            out = self._play(resets, iteration_seed(self.cfg, t, 1 if q == 0 else 1000 + q))
+            with self.cv:
+                self.done.append(out)
+                self.running -= self.chunk
+                self.cv.notify_all()
+
+    # ------------------------------------------------------------------ the episode source
+    def play(self, iteration: int, resets: list[tuple[int, dict]]) -> Rollout:
+        if not self.threads:
+            self._start(iteration)
+        t0 = time.perf_counter()
+        dropped = 0
+        with self.cv:
+            if self.mode == "pipelined":
+                self._wait_batch(lambda: iteration in self.results)
+                out = self.results.pop(iteration)
+            else:
+                parts, count = [], 0
+                while count < self.E:
+                    self._wait_batch(lambda: bool(self.done))
+                    part = self.done.pop(0)
+                    if iteration - _oldest(part, iteration) > self.k:
+                        dropped += len(part.steps)
+                        continue
+                    parts.append(part)
+                    count += len(part.steps)
+                out = merge_rollouts(parts, self.team.names)
+            ahead = sum(len(r.steps) for r in (*self.results.values(), *self.done)) + self.running
+            gen_wait, self._stats["generation_wait_s"] = self._stats["generation_wait_s"], 0.0
+        if iteration + 1 >= self.cfg.train.iterations:
+            self._stop()  # nothing more to play: what is in flight is not needed
+        ages = torch.cat([iteration - t.versions for t in out.turns]) if out.turns else torch.zeros(1)
+        self._metrics = {"async/staleness_mean": float(ages.float().mean()), "async/staleness_max": int(ages.max()),
+                         "async/dropped": dropped, "async/learner_wait_s": time.perf_counter() - t0,
+                         "async/generation_wait_s": gen_wait, "async/ahead": ahead}
+        if self.discarded:
+            self._metrics["async/discarded"], self.discarded = self.discarded, 0
+        return out
+
+    def _wait_batch(self, ready) -> None:
+        """Wait (the condition held) until ``ready()``; a generation thread's error is raised here."""
+        while not ready():
+            if self.error is not None:
+                raise self.error
+            self.cv.wait(0.5)
+
+    def before_update(self) -> None:
+        self.engine.before_update()
+
+    def publish(self, adapters: list[str], version: int) -> None:
+        self.engine.update()
+        self._snapshot(version)
+
+    def metrics(self, iteration: dict, seconds: float) -> dict:
+        return getattr(self, "_metrics", {})
+
+    def state(self) -> dict:
+        """The versions batches after the checkpoint may still play with, and the episodes in flight."""
+        with self.cv:
+            versions = {v: {a: {n: t.cpu() for n, t in w.items()} for a, w in s.items()}
+                        for v, s in self.versions.items() if v < self.latest}
+            ahead = sum(len(r.steps) for r in (*self.results.values(), *self.done)) + self.running
+        return {"versions": versions, "ahead": ahead}
+
+    def load(self, state: dict) -> None:
+        device = next(iter(self.models.bases.values())).device
+        with self.cv:
+            for v, s in state.get("versions", {}).items():
+                self.versions[v] = {a: {n: t.to(device) for n, t in w.items()} for a, w in s.items()}
+        self.discarded = state.get("ahead", 0)
+        if self.discarded:
+            self.log(f"asynchronous training: {self.discarded} episodes in flight when the checkpoint was written are discarded")
+
+    def _stop(self) -> None:
+        with self.cv:
+            self.stopping = True
+            self.cv.notify_all()
+
+    def close(self) -> None:
+        self._stop()
+        for t in self.threads:
+            t.join(timeout=5.0)
+        torch.set_num_threads(self._threads_before)
+        try:
+            self.gen_engine.close()
+        finally:
+            self.engine.close()
+
+
+def _oldest(out: Rollout, default: int) -> int:
+    """The oldest version among a rollout's replies (``default`` when it has none)."""
+    return min((int(t.versions.min()) for t in out.turns if t.versions is not None and len(t.versions)), default=default)
