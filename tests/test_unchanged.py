@@ -161,6 +161,23 @@ def test_the_outputs_are_those_recorded_before_the_redesign(name, tmp_path, monk
     assert got["checkpoints"] == want["checkpoints"]
 
 
+def test_staleness_zero_is_the_synchronous_run(tmp_path, monkeypatch):
+    """``train.max_staleness: 0`` (asynchronous training off), whatever the other asynchronous
+    settings say, is the synchronous run recorded before asynchronous training existed."""
+    recorded = _recorded()
+    if "marft" not in recorded:
+        pytest.skip(f"no outputs recorded for this CPU ({cpu_key()})")
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    RUNS["marft-staleness-0"] = (DUO, [*RUNS["marft"][1], "train.max_staleness=0", "train.async_mode=streaming",
+                                       "train.async_chunk=2"])
+    try:
+        got = train("marft-staleness-0", tmp_path / "run")
+    finally:
+        del RUNS["marft-staleness-0"]
+    want = recorded["marft"]
+    assert (got["metrics"], got["evaluations"], got["checkpoints"]) == (want["metrics"], want["evaluations"], want["checkpoints"])
+
+
 if __name__ == "__main__":  # python tests/test_unchanged.py --record [NAME ...]
     import tempfile
 

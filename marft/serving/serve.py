@@ -116,6 +116,7 @@ class Call:
     seconds: float  # until its reply was ready
     round: int = 0  # the episode's batches whose replies it had when it made the call (see TeamServer)
     seq: int = -1  # its place among the episode's calls as its client made them (-1: not stamped)
+    version: int | None = None  # the adapter version that answered it (asynchronous training); None: the current one
 
 
 @dataclass
@@ -551,7 +552,7 @@ class TeamServer:
             calls.append(Call(p.episode, p.index, agent, p.messages, prompt, out.response_ids[row][mask].tolist(),
                               out.logprobs[row][mask].tolist(), bool(out.truncated[row]),
                               _before_stop(out.texts[row], p.stop), sampling, p.started, done - p.started,
-                              p.round, p.seq))
+                              p.round, p.seq, getattr(out, "version", None)))
         return calls
 
 

@@ -344,7 +344,7 @@ def calls_to_rollout(team, problems: list[dict], calls: list[list], scores: list
     names = team.names
     E, N = len(problems), len(names)
     failed = torch.tensor([err is not None for err in errors], dtype=torch.bool)
-    rows: dict[tuple[int, str], list[tuple[int, Reply, str, list[dict]]]] = {}
+    rows: dict[tuple[int, str], list[tuple[int, Reply, str, list[dict], int | None]]] = {}
     steps = torch.zeros(E, dtype=torch.long)
     order = {a: i for i, a in enumerate(names)}
     for e in range(E):
@@ -352,7 +352,8 @@ def calls_to_rollout(team, problems: list[dict], calls: list[list], scores: list
         state = f"Problem: {problems[e].get('prompt', '')}"
         for t, c in _in_steps(team, calls[e]):
             rows.setdefault((t, c.agent), []).append(
-                (e, Reply(c.prompt_ids, c.response_ids, c.logprobs, c.truncated, c.text), state, c.messages))
+                (e, Reply(c.prompt_ids, c.response_ids, c.logprobs, c.truncated, c.text), state, c.messages,
+                 getattr(c, "version", None)))
             state += f"\n[step {t}] {c.agent}: {c.text}"
         steps[e] = t + 1
     H = max(int(steps.max()) if E else 1, 1)
@@ -381,8 +382,10 @@ def calls_to_rollout(team, problems: list[dict], calls: list[list], scores: list
     turns = []
     for (t, agent) in sorted(rows, key=lambda k: (k[0], order[k[1]])):
         got = sorted(rows[(t, agent)], key=lambda x: x[0])
-        out = pack([r for _, r, _, _ in got], 0)
+        out = pack([r for _, r, _, _, _ in got], 0)
+        versions = [v for *_, v in got]  # each call's own version (asynchronous training), else None
         turns.append(Turn(t, agent, torch.tensor([e for e, *_ in got], dtype=torch.long), out.prompt_ids,
                           out.prompt_mask, out.response_ids, out.response_mask, out.logprobs, out.truncated,
-                          out.texts, [s for _, _, s, _ in got], [m for *_, m in got]))
+                          out.texts, [s for _, _, s, _, _ in got], [m for _, _, _, m, _ in got],
+                          None if all(v is None for v in versions) else torch.tensor([-1 if v is None else v for v in versions])))
     return Rollout(turns, rewards, agent_rewards, dones, steps, success, extracted, infos=infos, failed=failed)
