@@ -25,7 +25,7 @@ Two modes (``train.async_mode``):
   chunks of ``train.async_chunk`` in threads of their own, each chunk started only once version
   t - k exists; generation calls take turns on the one engine (its lock), each with the newest
   version, so a chunk's later turns may come from newer versions than its first; env steps and tool
-  calls of the chunks overlap. A batch takes chunks in the order they complete, so a slow or hung
+  calls of the chunks overlap, and the engine serves the oldest chunk's call first. A batch takes chunks in the order they complete, so a slow or hung
   episode delays only its chunk (up to ``rollout.env_timeout_s``); a chunk whose oldest reply is
   more than k versions older than the batch's iteration is dropped and counted. For a grouped
   algorithm a chunk holds whole groups, so a group's episodes share their versions turn by turn.
@@ -42,6 +42,7 @@ batch), ``async/generation_wait_s`` (generation waited for weights, since the la
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -57,26 +58,87 @@ class _Cancelled(BaseException):
     """Raised in a generation thread's next engine call once the source is closing."""
 
 
-class _Versioned:
-    """The generation engine as the playing threads see it: one call at a time, each with the newest
-    version of the adapters the source holds (``newest``; else the version already loaded), the batch
-    stamped with it (``Generated.version``); once the source is closing, a call raises
-    :class:`_Cancelled`, ending the episodes it was for."""
+class _Batcher:
+    """The one generation engine shared by the playing threads, batching their calls: a call waits in
+    a queue; whichever caller finds the engine free generates, in one batch, the oldest queued call
+    (smallest ``key``: the chunk of the oldest iteration, the batch the learner needs next) together
+    with every queued call for the same agent and sampling, with the newest adapters (``newest``;
+    else the version loaded), and hands each call its rows. While one batch generates, the others'
+    calls queue up, so under load the batches grow on their own (continuous batching at the call
+    level). The rows are stamped with the version (``Generated.version``); once the source is
+    closing, a call raises :class:`_Cancelled`, ending the episodes it was for."""
 
     def __init__(self, inner: Engine, source: "AsyncEpisodes", newest: bool):
         self.inner, self.source, self.newest = inner, source, newest
+        self.cv = threading.Condition()
+        self.queue: list[dict] = []
+        self.busy = False
+
+    def generate(self, key, agent, chats, sampling, generator=None):
+        call = {"key": key, "agent": agent, "chats": chats, "sampling": sampling, "generator": generator}
+        with self.cv:
+            self.queue.append(call)
+            while "out" not in call and "error" not in call:
+                if self.source.stopping:
+                    self.queue = [c for c in self.queue if c is not call]
+                    raise _Cancelled()
+                if self.busy:
+                    self.cv.wait(0.5)
+                    continue
+                first = min(self.queue, key=lambda c: c["key"])
+                batch = [c for c in self.queue if c["agent"] == first["agent"] and c["sampling"] == first["sampling"]]
+                batch.sort(key=lambda c: c["key"])
+                self.queue = [c for c in self.queue if all(c is not b for b in batch)]
+                self.busy = True
+                self.cv.release()
+                try:
+                    self._run(batch)
+                finally:
+                    self.cv.acquire()
+                    self.busy = False
+                    self.cv.notify_all()
+        if "error" in call:
+            raise call["error"]
+        return call["out"]
+
+    def _run(self, batch: list[dict]) -> None:
+        """Generate ``batch``'s calls as one (the engine free, the condition released)."""
+        try:
+            version = self.source.load_newest() if self.newest else self.source.loaded
+            chats = [chat for c in batch for chat in c["chats"]]
+            out = self.inner.generate(batch[0]["agent"], chats, batch[0]["sampling"], batch[0]["generator"])
+            lo = 0
+            for k, c in enumerate(batch):
+                n = len(c["chats"])
+                part = _rows(out, lo, lo + n, whole=k == 0)
+                part.version = version
+                c["out"], lo = part, lo + n
+        except BaseException as e:  # noqa: BLE001 - each caller raises it
+            for c in batch:
+                c["error"] = e
+
+
+def _rows(out, lo: int, hi: int, whole: bool):
+    """Rows lo..hi of a generated batch as a batch of their own (the widths as they are); the work
+    it needed (FLOPs) goes with the first part only (``whole``), so that it is counted once."""
+    return dataclasses.replace(out, prompt_ids=out.prompt_ids[lo:hi], prompt_mask=out.prompt_mask[lo:hi],
+                               response_ids=out.response_ids[lo:hi], response_mask=out.response_mask[lo:hi],
+                               logprobs=out.logprobs[lo:hi], truncated=out.truncated[lo:hi], texts=out.texts[lo:hi],
+                               work=out.work if whole else None, spent=out.spent if whole else None)
+
+
+class _Versioned:
+    """One chunk's view of the shared engine (:class:`_Batcher`): its calls carry the chunk's
+    (iteration, chunk) as their key; everything else is the engine's."""
+
+    def __init__(self, batcher: _Batcher, key: tuple[int, int]):
+        self.batcher, self.key = batcher, key
 
     def generate(self, agent, chats, sampling, generator=None):
-        with self.source.engine_lock:
-            if self.source.stopping:
-                raise _Cancelled()
-            version = self.source.load_newest() if self.newest else self.source.loaded
-            out = self.inner.generate(agent, chats, sampling, generator)
-        out.version = version
-        return out
+        return self.batcher.generate(self.key, agent, chats, sampling, generator)
 
     def __getattr__(self, name):
-        return getattr(self.inner, name)
+        return getattr(self.batcher.inner, name)
 
 
 class AsyncEpisodes:
@@ -91,11 +153,11 @@ class AsyncEpisodes:
         r = cfg.rollout
         self.gen_models = models.replica(share_base=not r.fold_adapters)
         self.gen_engine = HFEngine(self.gen_models, fast=cfg.train.fast, merge=r.fold_adapters, compile=r.compile)
+        self.batcher = _Batcher(self.gen_engine, self, newest=self.mode == "streaming")
         self._threads_before = torch.get_num_threads()  # restored by close()
         self.gen_threads = max(1, self._threads_before // 2)
         torch.set_num_threads(max(1, self._threads_before - self.gen_threads))
         self.cv = threading.Condition()
-        self.engine_lock = threading.Lock()
         self.versions: dict[int, dict[str, dict[str, torch.Tensor]]] = {}  # version -> adapter -> LoRA weights
         self.latest = -1
         self.loaded = -1  # the version in gen_models
@@ -142,10 +204,10 @@ class AsyncEpisodes:
 
     def _wait_for(self, ready) -> bool:
         """Wait (the condition held) until ``ready()`` or the source stops. The wall time during which
-        some generation thread is held back by the bound counts as generation waiting for weights
-        (once, however many threads wait). False when stopping."""
+        nothing is being played and the next episodes are held back by the bound counts as generation
+        waiting for weights. False when stopping."""
         while not ready() and not self.stopping:
-            if self._blocked_since is None:
+            if self._blocked_since is None and not self.running:
                 self._blocked_since = time.perf_counter()
             self.cv.wait(0.5)
         self._unblock()
@@ -190,10 +252,10 @@ class AsyncEpisodes:
     def gen_models_on_cuda(self) -> bool:
         return next(iter(self.gen_models.bases.values())).device.type == "cuda"
 
-    def _play(self, resets, seed: int) -> Rollout:
+    def _play(self, resets, seed: int, key: tuple[int, int]) -> Rollout:
         from .rollout import play
 
-        engine = _Versioned(self.gen_engine, self, newest=self.mode == "streaming")
+        engine = _Versioned(self.batcher, key)
         return play(self.cfg, self.team, engine, self.make_env, resets, seed)
 
     def _pipelined(self, t: int) -> None:
@@ -205,7 +267,7 @@ class AsyncEpisodes:
                     return
                 self.running = self.E
             self._load(need)
-            out = self._play(episode_resets(self.cfg, t), iteration_seed(self.cfg, t, 1))
+            out = self._play(episode_resets(self.cfg, t), iteration_seed(self.cfg, t, 1), (t, 0))
             for turn in out.turns:
                 turn.versions = torch.full((len(turn.texts),), need)
             with self.cv:
@@ -227,7 +289,7 @@ class AsyncEpisodes:
                 self.next_job = (t, q + 1) if q + 1 < per else (t + 1, 0)
                 self.running += self.chunk
             resets = episode_resets(self.cfg, t)[q * self.chunk:(q + 1) * self.chunk]
-            out = self._play(resets, iteration_seed(self.cfg, t, 1 if q == 0 else 1000 + q))
+            out = self._play(resets, iteration_seed(self.cfg, t, 1 if q == 0 else 1000 + q), (t, q))
             with self.cv:
                 self.done.append(out)
                 self.running -= self.chunk
