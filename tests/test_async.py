@@ -219,7 +219,7 @@ def test_killed_asynchronous_run_resumes_to_the_same_result(tiny_model_dir, vowe
     (["train.max_staleness=-1"], "train.max_staleness must be 0"),
     (["train.max_staleness=1", "train.async_mode=eager"], "train.async_mode must be pipelined or streaming"),
     (["train.max_staleness=1", "rollout.engine=vllm"], "runs on the hf engine for now"),
-    (["train.max_staleness=1", "cluster.rollout_workers=2"], "runs in one process for now"),
+    (["train.max_staleness=1", "cluster.rollout_workers=2", "train.async_mode=streaming"], "streaming runs in one process for now"),
     (["train.max_staleness=1", "train.async_mode=streaming", "train.async_chunk=3"], "must divide rollout.episodes (4)"),
     (["train.max_staleness=1", "train.async_mode=streaming", "train.algorithm=grpo", "train.group_size=2",
       "train.async_chunk=1"], "multiple of train.group_size (2)"),

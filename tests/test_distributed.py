@@ -139,6 +139,30 @@ def test_one_worker_repeats_the_in_process_run_and_resumes(ray_cluster, vowel_ov
     resumed.close()
 
 
+def test_pipelined_on_ray_repeats_the_in_process_pipelined_run_and_resumes(ray_cluster, vowel_overrides, tmp_path):
+    """Asynchronous training on Ray (train.max_staleness=1, pipelined): the rollout worker plays
+    batch t with version t - 1, queued behind it while the learners train batch t - 1; with one
+    worker it is the in-process pipelined run (generation threads on a replica), metrics and
+    weights; stopped after iteration 2 (its checkpoint keeps version 1) and resumed, the same."""
+    over = vowel_overrides + SMALL + ["train.max_staleness=1", "train.iterations=3"]
+    timeless = lambda m: {k: v for k, v in comparable(m).items() if k not in ("async/ahead", "async/discarded")}  # noqa: E731
+    local = trainer_for(over)
+    expected = [timeless(local.iteration_step()) for _ in range(3)]
+    local.close()
+    assert [m["async/staleness_max"] for m in expected] == [0, 1, 1]
+    dist = distributed_for(over + CLUSTER + [f"output_dir={tmp_path / 'd'}"])
+    got = [timeless(dist.iteration_step()) for _ in range(2)]
+    ckpt = dist.save()
+    dist.close()
+    resumed = distributed_for(over + CLUSTER + [f"output_dir={tmp_path / 'd'}"])
+    resumed.load(ckpt)
+    got.append(timeless(resumed.iteration_step()))
+    assert got == expected
+    mine, theirs = snapshot(resumed), snapshot(local)
+    assert all(torch.equal(mine[a][k], theirs[a][k]) for a in mine for k in mine[a])
+    resumed.close()
+
+
 @pytest.mark.ray
 @pytest.mark.parametrize("algorithm", ["dr-mas", "at-grpo"])
 def test_one_worker_repeats_the_in_process_run_of_a_group_baseline(ray_cluster, vowel_overrides, algorithm):

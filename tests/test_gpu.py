@@ -90,6 +90,24 @@ def test_a_run_saved_on_one_device_resumes_on_the_other(tiny_overrides, tmp_path
     assert latest_checkpoint(run).name == "iter_000003"
 
 
+@pytest.mark.parametrize("mode", ["pipelined", "streaming"])
+def test_asynchronous_training_on_the_gpu(tiny_overrides, tmp_path, mode):
+    """Generation threads on their own CUDA stream, beside the learner: the run ends, no batch is
+    more than one version old (pipelined: every batch after the first exactly one), and pipelined
+    gives the same run twice."""
+    args = [o for o in tiny_overrides if not o.startswith(("model.device", "output_dir"))]
+    runs = []
+    for k in range(2 if mode == "pipelined" else 1):
+        run = tmp_path / f"{mode}-{k}"
+        assert main(["train", "configs/duo_arithmetic.yaml", *args, "model.device=cuda", "train.iterations=3",
+                     "train.max_staleness=1", f"train.async_mode={mode}", f"output_dir={run}"]) == 0
+        runs.append([{key: v for key, v in m.items() if key in ("reward", "accuracy", "approx_kl", "async/staleness_max")}
+                     for m in _metrics(run)])
+    ages = [m["async/staleness_max"] for m in runs[0]]
+    assert ages == [0, 1, 1] if mode == "pipelined" else max(ages) <= 1
+    assert runs[0] == runs[-1]
+
+
 def test_the_mfu_rate_on_a_gpu_is_a_large_product(on_gpu):
     from marft.engines import flops
 

@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import os
 import pickle
+import time
 
 from ..errors import UserError
 from ..run.checkpoints import latest_checkpoint
-from ..run.episodes import iteration_seed
+from ..run.asynchronous import adapter_snapshot, staleness_metrics, stamp, versions_state
+from ..run.episodes import episode_resets, iteration_seed
 from ..run.learner import PolicyBatch, UpdateStats
 from ..turns import Rollout, merge_rollouts
 from .actors import Learner, RolloutWorker
@@ -160,6 +162,16 @@ class RayEpisodes:
         self.restarts = 0
         self.version = 0
         self._before = (dict(cluster.bytes), 0)
+        # asynchronous training (train.max_staleness k >= 1, pipelined): batch t is queued on the workers
+        # behind the adapters of version max(0, t - k), while the learners train the batches before it
+        self.k = self.cfg.train.max_staleness
+        self.versions: dict[int, dict] = {0: adapter_snapshot(models, cluster.team.adapters)} if self.k else {}
+        self.latest = 0
+        self.queued: dict[int, tuple[int, list, dict]] = {}  # iteration -> (its version, its shards, shard -> ref)
+        self.next_batch: int | None = None  # the next iteration to queue
+        self.holding: int | None = None  # the version the workers hold once their queued calls have run (None: not sent yet)
+        self.discarded = 0
+        self._async: dict = {}
 
     def _new_worker(self):
         c = self.cfg.cluster
@@ -167,21 +179,13 @@ class RayEpisodes:
             self.cfg, max(1, int(c.worker_cpus)), os.getcwd())
 
     def play(self, iteration: int, resets: list) -> Rollout:
-        ray = _ray()
         self.cluster.iteration = iteration
         self._before = (dict(self.cluster.bytes), self.restarts)
+        if self.k:
+            return self._play_ahead(iteration)
         shards = shard(resets, len(self.workers))
         pending = {k: self.workers[k].play.remote(s, shard_seed(self.cfg, iteration, k)) for k, s in enumerate(shards)}
-        parts: dict[int, Rollout] = {}
-        while pending:
-            k, ref = next(iter(pending.items()))
-            try:
-                parts[k], nbytes = ray.get(ref)
-                self.cluster.bytes["rollout"] += nbytes
-                del pending[k]
-            except ray.exceptions.RayActorError as e:
-                self._replace_worker(k, f"while playing ({_cause(e)})")
-                pending[k] = self.workers[k].play.remote(shards[k], shard_seed(self.cfg, iteration, k))
+        parts = self._collect(iteration, None, shards, pending)
         return merge_rollouts([parts[k] for k in range(len(shards))], self.cluster.team.names)
 
     def before_update(self) -> None:
@@ -189,16 +193,105 @@ class RayEpisodes:
 
     def publish(self, adapters: list[str], version: int) -> None:
         """Every rollout worker acts with the driver's weights of ``adapters`` from now on (one
-        object in Ray's store, read by all); the driver's engine too."""
+        object in Ray's store, read by all); the driver's engine too. Asynchronous: the weights are
+        kept as ``version``, and the batch that plays with them is queued behind them."""
+        if self.k:
+            self.versions[version] = adapter_snapshot(self.models, self.cluster.team.adapters)
+            self.latest = max(self.latest, version)
+            for v in [v for v in self.versions if v < self.latest - self.k]:
+                del self.versions[v]
+            self.engine.update()
+            if self.next_batch is not None:
+                self._queue_ready()
+            return
         if adapters:
             self._broadcast({a: self.models.adapter_state(a) for a in adapters})
         self.engine.update()
 
     def state(self) -> dict:
-        return {}
+        if not self.k:
+            return {}
+        ahead = sum(len(episode_resets(self.cfg, t)) for t in self.queued)
+        return {"versions": versions_state(self.versions, self.latest), "ahead": ahead}
 
     def load(self, state: dict) -> None:
-        pass
+        for v, s in state.get("versions", {}).items():
+            self.versions[v] = s
+        self.discarded = state.get("ahead", 0)
+        if self.discarded:
+            self.cluster.log(f"asynchronous training: {self.discarded} episodes in flight when the checkpoint was written are discarded")
+
+    # ------------------------------------------------------------------ asynchronous (pipelined)
+    def _play_ahead(self, iteration: int) -> Rollout:
+        """Batch ``iteration``, queued on the workers ahead of time (with version max(0, t - k)); the
+        batches the versions allow from here on are queued too."""
+        if self.next_batch is None:  # the first batch of this process: queue what the versions allow
+            self.next_batch = iteration
+            self._queue_ready()
+        t0 = time.perf_counter()
+        version, shards, pending = self.queued[iteration]
+        parts = self._collect(iteration, version, shards, pending)
+        del self.queued[iteration]
+        out = stamp(merge_rollouts([parts[k] for k in range(len(shards))], self.cluster.team.names), version)
+        self._async = {**staleness_metrics(out, iteration), "async/dropped": 0,
+                       "async/learner_wait_s": time.perf_counter() - t0,
+                       "async/ahead": sum(len(episode_resets(self.cfg, t)) for t in self.queued)}
+        if self.discarded:
+            self._async["async/discarded"], self.discarded = self.discarded, 0
+        return out
+
+    def _queue_ready(self) -> None:
+        """Queue every batch whose version exists (t - k <= the newest), up to the last iteration."""
+        while self.next_batch < self.cfg.train.iterations and self.next_batch - self.k <= self.latest:
+            self._queue(self.next_batch)
+            self.next_batch += 1
+
+    def _queue(self, t: int) -> None:
+        """Batch t on the workers, behind the adapters of its version (not waited for)."""
+        version = max(0, t - self.k)
+        if version != self.holding:
+            self._send_version(version, range(len(self.workers)))
+        shards = shard(episode_resets(self.cfg, t), len(self.workers))
+        self.queued[t] = (version, shards, {k: self.workers[k].play.remote(s, shard_seed(self.cfg, t, k))
+                                            for k, s in enumerate(shards)})
+
+    def _send_version(self, version: int, workers) -> None:
+        """Queue ``version``'s adapters on ``workers`` (one object in Ray's store)."""
+        ray = _ray()
+        states = self.versions[version]
+        self.cluster.bytes["weights"] += len(pickle.dumps(states)) * len(workers)
+        ref = ray.put(states)
+        for k in workers:
+            self.workers[k].set_adapters.remote(version, ref)
+        self.holding = version
+
+    def _collect(self, t: int, version: int | None, shards: list, pending: dict) -> dict[int, Rollout]:
+        """The shards of batch t (``pending``: shard -> its reference); a worker that died is replaced
+        with batch t's ``version`` (None: the current adapters) and plays its shard again, and the
+        batches queued behind it (asynchronous training) are queued again on the new one."""
+        ray = _ray()
+        parts: dict[int, Rollout] = {}
+        pending = dict(pending)
+        while pending:
+            k, ref = next(iter(pending.items()))
+            try:
+                parts[k], nbytes = ray.get(ref)
+                self.cluster.bytes["rollout"] += nbytes
+                del pending[k]
+            except ray.exceptions.RayActorError as e:
+                self._replace_worker(k, f"while playing ({_cause(e)})", None if version is None else self.versions[version])
+                pending[k] = self.workers[k].play.remote(shards[k], shard_seed(self.cfg, t, k))
+                holding, last = self.holding, version  # the new worker holds batch t's version
+                for later in sorted(x for x in self.queued if x > t):
+                    v, later_shards, refs = self.queued[later]
+                    if v != last:
+                        self._send_version(v, [k])
+                        last = v
+                    refs[k] = self.workers[k].play.remote(later_shards[k], shard_seed(self.cfg, later, k))
+                if last != holding:  # then the version the others will hold
+                    self._send_version(holding, [k])
+                self.holding = holding
+        return parts
 
     def _broadcast(self, states: dict) -> None:
         ray = _ray()
@@ -213,7 +306,7 @@ class RayEpisodes:
                 except ray.exceptions.RayActorError as e:
                     self._replace_worker(k, f"while loading new adapters ({_cause(e)})")
 
-    def _replace_worker(self, k: int, when: str) -> None:
+    def _replace_worker(self, k: int, when: str, states: dict | None = None) -> None:
         """Worker k died ``when``: a new one with the current adapters (a replacement that dies while
         starting is replaced too; each counts against ``cluster.max_worker_restarts``)."""
         ray = _ray()
@@ -227,9 +320,9 @@ class RayEpisodes:
             self.cluster.log(f"warning: rollout worker {k} died {when} at iteration {it}; replaced, its episodes replayed")
             ray.kill(self.workers[k], no_restart=True)
             self.workers[k] = self._new_worker()
-            states = {a: self.models.adapter_state(a) for a in self.cluster.team.adapters}
+            weights = states if states is not None else {a: self.models.adapter_state(a) for a in self.cluster.team.adapters}
             try:
-                ray.get(self.workers[k].set_adapters.remote(self.version, states))
+                ray.get(self.workers[k].set_adapters.remote(self.version, weights))
                 return
             except ray.exceptions.RayActorError as e:
                 when = f"while starting ({_cause(e)})"
@@ -245,6 +338,7 @@ class RayEpisodes:
         out["distributed/worker_restarts"] = self.restarts - restarts
         out["distributed/rollout_workers"] = len(self.workers)
         out["distributed/episodes_per_s"] = self.cfg.rollout.episodes / seconds
+        out.update(self._async)
         gpus = self.cfg.cluster.worker_gpus * len(self.workers) + self.cluster.learner_gpus()
         out["distributed/gpus"] = gpus
         if gpus > 0:  # the trainer's throughput is of the whole cluster

@@ -742,8 +742,9 @@ def _validate_async(cfg: RunConfig) -> None:
         return
     _check(r.engine == "hf", f"train.max_staleness > 0 runs on the hf engine for now, not rollout.engine={r.engine}; "
                              "set rollout.engine=hf or train.max_staleness=0")
-    _check(cfg.cluster.rollout_workers == 0, "train.max_staleness > 0 runs in one process for now, not with "
-                                             "cluster.rollout_workers; set cluster.rollout_workers=0 or train.max_staleness=0")
+    _check(cfg.cluster.rollout_workers == 0 or tr.async_mode == "pipelined",
+           "train.async_mode streaming runs in one process for now, not with cluster.rollout_workers; "
+           "set train.async_mode=pipelined (Ray's rollout workers play batches ahead) or cluster.rollout_workers=0")
     if tr.async_mode == "streaming":
         size = tr.group_size if ALGORITHMS[tr.algorithm].grouped else 1
         chunk = async_chunk(cfg)
