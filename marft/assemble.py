@@ -31,7 +31,10 @@ def build_trainer(cfg: RunConfig, team, models, make_env, log=print, engine: Eng
     algorithm = ALGORITHMS[cfg.train.algorithm]
     first = next(iter(models.bases.values()))
     torch.manual_seed(cfg.seed)
-    critic = CriticLearner(cfg, algorithm.make_heads(team.names, first.config.hidden_size), algorithm.token_level, log=log)
+    heads = algorithm.make_heads(team.names, first.config.hidden_size)
+    # train.critic lora: the critic's own adapter, made after the heads (which are then those of a frozen critic)
+    adapter = models.add_critic_adapter() if cfg.train.critic == "lora" and heads else None
+    critic = CriticLearner(cfg, heads, algorithm.token_level, log=log, models=models, adapter=adapter, algorithm=algorithm)
     if ray:  # Ray: rollout workers and learners as actors (docs/scaling.md)
         from .distributed import ray_parts
 

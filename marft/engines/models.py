@@ -418,6 +418,32 @@ class TeamModel:
                 for key, layer in layers:
                     layer.get_base_layer().weight.copy_(pristine[key])
 
+    def add_critic_adapter(self, name: str = "critic") -> str:
+        """A learning critic's own LoRA adapter (``train.critic: lora``), with the team's LoRA
+        settings, on the team's base model; saved and loaded with the agents' adapters. Returns its name."""
+        if name in self.base_of:
+            raise UserError(f"config: train.critic lora adds an adapter named {name!r}, which an agent's adapter is already "
+                            "called; rename that agent's adapter (team.agents.N.adapter)")
+        if len(self.bases) > 1:
+            raise UserError("config: train.critic lora needs the team on one base model (its agents are on "
+                            f"{len(self.bases)}: {', '.join(self.bases)}); use train.critic=head")
+        base = next(iter(self.bases))
+        peft = self.bases[base]
+        peft.add_adapter(name, copy.deepcopy(self.lora_config))
+        self.base_of[name] = base
+        mine = [p for n, p in peft.named_parameters() if "lora_" in n and f".{name}." in n]
+        for p in mine:
+            p.requires_grad_(True)
+        self._lora.setdefault(id(peft), []).extend(mine)
+        return name
+
+    @contextlib.contextmanager
+    def acting_adapter(self, adapter: str):
+        """Activate ``adapter`` (an agent's or the critic's) for the block; yields (model, tokenizer)."""
+        base = self.base_of[adapter]
+        self._activate(self.bases[base], adapter)
+        yield self.bases[base], self.tokenizers[base]
+
     @contextlib.contextmanager
     def reference(self, name: str):
         """The agent's reference policy: its base model with every adapter disabled."""

@@ -87,6 +87,11 @@ class TargetInputs:
     models: "TeamModel"  # for the critic's features (the base model, adapters disabled)
     heads: dict[str, ValueHead]  # the algorithm's value heads (see Algorithm.make_heads)
     work: "PassWork"  # the critic's forward passes add their work here (MFU)
+    critic_adapter: str | None = None  # a learning critic's adapter (train.critic: lora); None: the frozen base
+
+    def feature_kw(self) -> dict:
+        """The feature functions' keywords: the learning critic's adapter, where there is one."""
+        return {} if self.critic_adapter is None else {"adapter": self.critic_adapter}
 
     def micro_index(self, turn: "Turn") -> int:
         """Micro-step k = t * N + i of a turn."""
@@ -111,6 +116,20 @@ class Algorithm:
         if self.critic == "team":
             return {"team": ValueHead(hidden)}
         return {}
+
+    def critic_features(self, models, turn: "Turn", rows: list[int], adapter: str | None = None, grad: bool = False,
+                        work=None) -> torch.Tensor:
+        """The critic's features of rows ``rows`` of ``turn``, as :attr:`targets` computes them (the
+        global state; at token level with the reply; for IPPO the agent's own prompt), through the
+        critic's ``adapter`` (None: the frozen base) and with gradients when ``grad`` (a learning
+        critic's update recomputes them for every minibatch)."""
+        kw = {"work": work, "grad": grad, **({} if adapter is None else {"adapter": adapter})}
+        if self.critic == "agent":
+            return prompt_features(models, turn.agent, turn.prompt_ids[rows], turn.prompt_mask[rows], **kw)
+        states = [turn.states[r] for r in rows]
+        if self.token_level:
+            return token_features(models, turn.agent, states, turn.response_ids[rows], turn.response_mask[rows], **kw)
+        return state_features(models, turn.agent, states, **kw)
 
     def row_advantages(self, advantages: list[torch.Tensor], turns: list["Turn"], rows: list[tuple[int, int]],
                        R: int) -> torch.Tensor:
@@ -213,7 +232,7 @@ def action_gae(inp: TargetInputs, out: "Rollout") -> list[TurnTargets]:
     """marft: the centralised critic's value of every micro-step's global state, GAE over micro-steps."""
     tr, head = inp.train, inp.heads["team"]
     E, K, (rewards, discounts, dones, mask) = _micro(inp, out)
-    feats = [state_features(inp.models, t.agent, t.states, work=inp.work) for t in out.turns]
+    feats = [state_features(inp.models, t.agent, t.states, work=inp.work, **inp.feature_kw()) for t in out.turns]
     values = torch.zeros(E, K)
     for t, f in zip(out.turns, feats):
         with torch.no_grad():
@@ -232,7 +251,7 @@ def token_gae(inp: TargetInputs, out: "Rollout") -> list[TurnTargets]:
     tok_values = torch.zeros(E, K, T)
     feats = []
     for t in out.turns:
-        f = token_features(inp.models, t.agent, t.states, t.response_ids, t.response_mask, work=inp.work)
+        f = token_features(inp.models, t.agent, t.states, t.response_ids, t.response_mask, work=inp.work, **inp.feature_kw())
         feats.append(f)
         k = inp.micro_index(t)
         lengths[t.episodes, k] = t.response_mask.sum(1)
@@ -257,7 +276,8 @@ def ippo_targets(inp: TargetInputs, out: "Rollout") -> list[TurnTargets]:
     tr = inp.train
     E, H = out.rewards.shape
     i = inp.agents.index
-    feats = [prompt_features(inp.models, t.agent, t.prompt_ids, t.prompt_mask, work=inp.work) for t in out.turns]
+    feats = [prompt_features(inp.models, t.agent, t.prompt_ids, t.prompt_mask, work=inp.work, **inp.feature_kw())
+             for t in out.turns]
     values = torch.zeros(E, H, len(inp.agents))
     for t, f in zip(out.turns, feats):
         with torch.no_grad():

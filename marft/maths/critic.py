@@ -1,10 +1,17 @@
-"""Critics: a value head (MLP on the last hidden layer) over the frozen, shared base model.
+"""Critics: a value head (MLP on the last hidden layer) over the shared base model.
 
 The centralised critic V(k) reads the global state, the whole transcript before micro-step k
-(``Turn.states``), and estimates the team's return from that moment. The base model runs with
-every adapter disabled and without gradients, so its features are computed once per iteration
-and the head trains on them for several passes at almost no cost. IPPO's per-agent critics read
-the agent's own observation (its prompt) instead, one head per agent.
+(``Turn.states``), and estimates the team's return from that moment. IPPO's per-agent critics read
+the agent's own observation (its prompt) instead, one head per agent. Two kinds
+(``train.critic``):
+
+* ``head`` (the original MARFT code's): the base model runs with every adapter disabled and without
+  gradients, so its features are computed once per iteration and the heads train on them for
+  several passes at almost no cost;
+* ``lora`` (the paper's newest experiments, on AReaL): the critic has its own LoRA adapter on the
+  same base model (one more adapter, never a model copy), so its features move with training: they
+  are recomputed, with gradients through the adapter, for every minibatch of the critic's update
+  (``adapter`` and ``grad`` below).
 
 Feature shapes: H hidden size; action level [b, H] (the state's last token); token level
 [b, R, H] (the position before each generated token: state tokens, then the reply so far).
@@ -48,12 +55,24 @@ def _batch(batch: int | None, device, cpu: int) -> int:
     return batch if batch else cpu if device.type == "cpu" else 4 * cpu
 
 
-@torch.no_grad()
-def state_features(models, agent: str, texts: list[str], batch: int | None = None, max_tokens: int = 2048, work=None) -> torch.Tensor:
+def _view(models, agent: str, adapter: str | None):
+    """Where features come from: the agent's base model with every adapter disabled (``adapter``
+    None: the frozen critic), or with the critic's own adapter acting (a learning critic)."""
+    return models.reference(agent) if adapter is None else models.acting_adapter(adapter)
+
+
+def _out(h: torch.Tensor, grad: bool) -> torch.Tensor:
+    """Features in float32: on the CPU (cached for the iteration), or where they are, with their
+    graph, for a learning critic's update (``grad``)."""
+    return h.float() if grad else h.float().cpu()
+
+
+def state_features(models, agent: str, texts: list[str], batch: int | None = None, max_tokens: int = 2048, work=None,
+                   adapter: str | None = None, grad: bool = False) -> torch.Tensor:
     """[b, H] features of global-state texts: the base model's last hidden state at the last token
-    (adapters disabled), ``batch`` texts a pass (default 16 on a CPU, 64 on a GPU). Texts are
-    left-truncated to ``max_tokens``."""
-    with models.reference(agent) as (model, tok):
+    (adapters disabled, or the critic's ``adapter`` acting; with gradients when ``grad``), ``batch``
+    texts a pass (default 16 on a CPU, 64 on a GPU). Texts are left-truncated to ``max_tokens``."""
+    with torch.set_grad_enabled(grad), _view(models, agent, adapter) as (model, tok):
         device = next(model.parameters()).device
         batch = _batch(batch, device, 16)
         feats = []
@@ -61,28 +80,27 @@ def state_features(models, agent: str, texts: list[str], batch: int | None = Non
             enc = tok(texts[i:i + batch], return_tensors="pt", padding=True, truncation=True,
                       max_length=max_tokens, add_special_tokens=False)
             h = _last_hidden(model, enc["input_ids"].to(device), enc["attention_mask"].to(device).bool(), work)
-            feats.append(h[:, -1].float().cpu())  # left padding: the last position is the last token
+            feats.append(_out(h[:, -1], grad))  # left padding: the last position is the last token
         return torch.cat(feats) if feats else torch.zeros(0, model.config.hidden_size)
 
 
-@torch.no_grad()
 def prompt_features(models, agent: str, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                    batch: int | None = None, work=None) -> torch.Tensor:
+                    batch: int | None = None, work=None, adapter: str | None = None, grad: bool = False) -> torch.Tensor:
     """[b, H] features of an agent's own observation (its left-padded prompt), for IPPO."""
-    with models.reference(agent) as (model, _):
+    with torch.set_grad_enabled(grad), _view(models, agent, adapter) as (model, _):
         device = next(model.parameters()).device
         batch = _batch(batch, device, 16)
-        feats = [_last_hidden(model, prompt_ids[i:i + batch].to(device), prompt_mask[i:i + batch].to(device), work)[:, -1].float().cpu()
+        feats = [_out(_last_hidden(model, prompt_ids[i:i + batch].to(device), prompt_mask[i:i + batch].to(device), work)[:, -1], grad)
                  for i in range(0, len(prompt_ids), batch)]
         return torch.cat(feats)
 
 
-@torch.no_grad()
 def token_features(models, agent: str, texts: list[str], response_ids: torch.Tensor, response_mask: torch.Tensor,
-                   batch: int | None = None, max_tokens: int = 2048, work=None) -> torch.Tensor:
+                   batch: int | None = None, max_tokens: int = 2048, work=None, adapter: str | None = None,
+                   grad: bool = False) -> torch.Tensor:
     """[b, R, H] features before each generated token: the state text followed by the reply so
     far. Position j is the hidden state after the state and reply tokens < j."""
-    with models.reference(agent) as (model, tok):
+    with torch.set_grad_enabled(grad), _view(models, agent, adapter) as (model, tok):
         device = next(model.parameters()).device
         batch = _batch(batch, device, 8)
         R = response_ids.shape[1]
@@ -94,5 +112,5 @@ def token_features(models, agent: str, texts: list[str], response_ids: torch.Ten
             mask = torch.cat([enc["attention_mask"].bool(), response_mask[i:i + batch]], 1).to(device)
             h = _last_hidden(model, ids, mask, work)
             P = enc["input_ids"].shape[1]
-            feats.append(h[:, P - 1:P - 1 + R].float().cpu())
+            feats.append(_out(h[:, P - 1:P - 1 + R], grad))
         return torch.cat(feats)

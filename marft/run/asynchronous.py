@@ -34,8 +34,9 @@ Two modes (``train.async_mode``):
   Which episodes form a batch depends on timing: runs are not reproducible.
 
 Episodes still being played when a run stops or is killed are discarded; a checkpoint records how
-many there were, and the resumed run counts them (``async/discarded``). The CPU's threads are split
-between the learner (this thread) and generation, half each (at least one).
+many there were, and the resumed run counts them (``async/discarded``). While generation runs, the
+CPU's threads are split between the learner (this thread) and generation, half each (at least
+one); evaluations before the first batch and after the last have them all.
 
 Metrics per iteration: ``async/staleness_mean`` and ``async/staleness_max`` (versions, over the
 batch's replies), ``async/dropped`` (episodes), ``async/learner_wait_s`` (the trainer waited for the
@@ -156,9 +157,8 @@ class AsyncEpisodes:
         self.gen_models = models.replica(share_base=not r.fold_adapters)
         self.gen_engine = HFEngine(self.gen_models, fast=cfg.train.fast, merge=r.fold_adapters, compile=r.compile)
         self.batcher = _Batcher(self.gen_engine, self, newest=self.mode == "streaming")
-        self._threads_before = torch.get_num_threads()  # restored by close()
+        self._threads_before = torch.get_num_threads()  # this thread's again once generation stops
         self.gen_threads = max(1, self._threads_before // 2)
-        torch.set_num_threads(max(1, self._threads_before - self.gen_threads))
         self.cv = threading.Condition()
         self.versions: dict[int, dict[str, dict[str, torch.Tensor]]] = {}  # version -> adapter -> LoRA weights
         self.latest = -1
@@ -225,6 +225,9 @@ class AsyncEpisodes:
 
     # ------------------------------------------------------------------ generation threads
     def _start(self, it: int) -> None:
+        # the cores split between the learner (this thread) and generation while generation runs;
+        # evaluations before the first batch and after the last have them all
+        torch.set_num_threads(max(1, self._threads_before - self.gen_threads))
         if self.mode == "pipelined":
             targets = [(self._pipelined, (it,))]
         else:
@@ -367,12 +370,12 @@ class AsyncEpisodes:
         with self.cv:
             self.stopping = True
             self.cv.notify_all()
+        torch.set_num_threads(self._threads_before)
 
     def close(self) -> None:
         self._stop()
         for t in self.threads:
             t.join(timeout=5.0)
-        torch.set_num_threads(self._threads_before)
         try:
             self.gen_engine.close()
         finally:

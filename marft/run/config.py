@@ -312,7 +312,18 @@ class TrainConfig:
     critic_lr: float = 1e-4
     """Value-head learning rate."""
     critic_epochs: int = 4
-    """Passes of the value head over each batch (its features are computed once)."""
+    """Passes of the critic over each batch (a frozen critic's features are computed once)."""
+    critic: str = "head"
+    """The critic (``marft/maths/critic.py``) of ``marft``, ``marft-token`` and ``ippo``: ``head``, a
+    value head on the frozen base model (the original MARFT code's), or ``lora``, a value head on
+    the base model with the critic's own LoRA adapter (the team's rank and targets), trained with
+    it, its features recomputed for every minibatch (the paper's newest experiments, on AReaL).
+    IPPO's per-agent critics share that adapter, each with its own head."""
+    critic_lora_lr: float = 1e-4
+    """``critic: lora``: the critic adapter's learning rate (its own AdamW; the heads keep ``critic_lr``)."""
+    critic_lora_value_clip: float = 0.5
+    """``critic: lora``: the clip range of its value loss around the values before the update
+    (AReaL's critic: 0.5); 0 = off."""
     clip: float = 0.2
     """PPO's clip range: the ratio to the rollout policy is clipped to [1 - clip, 1 + clip]."""
     value_clip: float = 0.2
@@ -723,6 +734,11 @@ def validate(cfg: RunConfig) -> None:
            "log.mlflow_experiment is empty; name the MLflow experiment, e.g. log.mlflow_experiment=marft")
     _check(cfg.threads >= 0, f"threads must be 0 (default) or positive, got {cfg.threads}")
     _validate_async(cfg)
+    _check(tr.critic in ("head", "lora"), f"train.critic must be head or lora, got {tr.critic!r}")
+    _check(tr.critic == "head" or ALGORITHMS[tr.algorithm].critic is not None,
+           f"train.critic lora: {tr.algorithm} has no critic (it is critic-free); use marft, marft-token or ippo, or train.critic=head")
+    _check(tr.critic_lora_lr >= 0, f"train.critic_lora_lr must be 0 (the adapter frozen) or positive, got {tr.critic_lora_lr:g}")
+    _check(tr.critic_lora_value_clip >= 0, f"train.critic_lora_value_clip must be 0 (off) or positive, got {tr.critic_lora_value_clip:g}")
     from ..team import build_team
 
     team = build_team(cfg.team)  # names, graph, adapters: raises UserError with the reason

@@ -151,6 +151,7 @@ class Trainer:
             **{f"skipped/{k}": v for k, v in self.skipped.items()},
             "skipped/updates_in_a_row": self.bad_in_a_row,
             **degenerate_stats(self.cfg, out),
+            **critic_quality(self.team.names, list(self.heads), self.algo.token_level, out, targets),
             **self._task_stats(out),
         }
         episodes = max(len(out.steps), 1)
@@ -223,7 +224,8 @@ class Trainer:
     # ------------------------------------------------------------------ steps 2-4
     def targets(self, out: Rollout) -> list[TurnTargets]:
         """Rewards, values, advantages and returns of every turn, as the algorithm computes them."""
-        return self.algo.targets(TargetInputs(self.cfg.train, self.team.names, self.models, self.heads, self._critic_work), out)
+        return self.algo.targets(TargetInputs(self.cfg.train, self.team.names, self.models, self.heads, self._critic_work,
+                                              self.critic.adapter), out)
 
     # ------------------------------------------------------------------ step 6
     def update_policy(self, out: Rollout, targets: list[TurnTargets], trained: list[str]) -> tuple[dict, list[str]]:
@@ -354,6 +356,34 @@ def logprob_gap(gap: list[tuple[float, int]]) -> dict:
     for s, n in gap:
         total, tokens = total + s, tokens + n
     return {"rollout/logprob_gap": total / tokens} if tokens else {}
+
+
+def critic_quality(agents: list[str], heads: list[str], token_level: bool, out: Rollout, targets: list) -> dict:
+    """Whether a critic is learning (for every critic kind): ``<agent>/abs_advantage``, the mean
+    absolute advantage of the agent's turns (before normalisation; for a critic-free algorithm too),
+    and per value head (``"team"``, or an agent's) ``critic/explained_variance`` (or
+    ``critic/explained_variance/<agent>``) = 1 - Var(R - V) / Var(R) over its entries (the returns R
+    and the values V the advantages were computed with; at token level the reply tokens): 1 is a
+    perfect critic, 0 no better than the mean return, below 0 worse; omitted when the returns do not vary."""
+    def entries(i: int, x: torch.Tensor) -> torch.Tensor:
+        return x[out.turns[i].response_mask[:, : x.shape[1]]] if token_level and x.dim() == 2 else x.flatten()
+
+    stats = {}
+    for agent in agents:
+        mine = [entries(i, targets[i].advantages.view(len(t.episodes), -1) if token_level else targets[i].advantages)
+                for i, t in enumerate(out.turns) if t.agent == agent]
+        if mine:
+            stats[f"{agent}/abs_advantage"] = float(torch.cat(mine).abs().mean())
+    for key in heads:
+        idx = [i for i, t in enumerate(out.turns) if key in ("team", t.agent)]
+        if not idx:
+            continue
+        ret = torch.cat([entries(i, targets[i].returns) for i in idx]).double()
+        val = torch.cat([entries(i, targets[i].values) for i in idx]).double()
+        if len(ret) > 1 and float(ret.var()) > 0:
+            name = "critic/explained_variance" if key == "team" else f"critic/explained_variance/{key}"
+            stats[name] = float(1 - (ret - val).var() / ret.var())
+    return stats
 
 
 def degenerate_stats(cfg: RunConfig, out: Rollout) -> dict:

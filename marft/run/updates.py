@@ -71,17 +71,28 @@ class LocalPolicy:
 
 class CriticLearner:
     """The value heads of ``train.algorithm`` (``"team"``, one per agent, or none) and an AdamW each,
-    fitted to the returns with the clipped value loss (:func:`marft.maths.losses.value_loss`)."""
+    fitted to the returns with the clipped value loss (:func:`marft.maths.losses.value_loss`).
+
+    ``train.critic: lora`` (``adapter``: the critic's LoRA adapter in ``models``): the features are
+    recomputed through the adapter, with gradients, for every minibatch (``algorithm``'s
+    :meth:`marft.maths.algorithms.Algorithm.critic_features`), and the adapter is trained with the
+    heads by its own AdamW (``train.critic_lora_lr``), its gradient clipped on its own; the loss's
+    clip is ``train.critic_lora_value_clip``."""
 
     def __init__(self, cfg: RunConfig, heads: dict[str, torch.nn.Module], token_level: bool,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, models=None, adapter: str | None = None, algorithm=None):
         self.cfg, self.heads, self.token_level, self.log = cfg, heads, token_level, log
         self.optimizers = {k: torch.optim.AdamW(h.parameters(), lr=cfg.train.critic_lr) for k, h in heads.items()}
+        self.models, self.adapter, self.algorithm = models, adapter, algorithm
+        self.adapter_optimizer = (torch.optim.AdamW(models.adapter_parameters(adapter), lr=cfg.train.critic_lora_lr)
+                                  if adapter is not None else None)
 
     def update(self, out: Rollout, targets: list[TurnTargets], iteration: int) -> tuple[dict, int]:
         """``train.critic_epochs`` passes over each head's rows (its agent's turns, or all for the
         team's head) in minibatches of about a quarter; returns the metrics (``value_loss``, or
         ``value_loss/<agent>``) and the number of updates skipped for a non-finite loss or gradient."""
+        if self.adapter is not None:
+            return self._update_with_adapter(out, targets, iteration)
         tr = self.cfg.train
         stats, skipped = {}, 0
         for key, head in self.heads.items():
@@ -117,15 +128,84 @@ class CriticLearner:
             stats[f"value_loss/{key}" if key != "team" else "value_loss"] = total / max(count, 1)
         return stats, skipped
 
+    def _update_with_adapter(self, out: Rollout, targets: list[TurnTargets], iteration: int) -> tuple[dict, int]:
+        """The learning critic's update: each head's rows (turn, row) in the frozen critic's
+        minibatches (at token level: of replies, each reply's tokens together); per minibatch the
+        features through the adapter with gradients, the clipped value loss on the valid entries,
+        one step of the head and one of the adapter, each gradient clipped to ``max_grad_norm``."""
+        tr = self.cfg.train
+        stats, skipped = {}, 0
+        adapter_params = self.models.adapter_parameters(self.adapter)
+        clip = tr.critic_lora_value_clip or None
+        for key, head in self.heads.items():
+            rows = [(i, r) for i, t in enumerate(out.turns) if key in ("team", t.agent) for r in range(len(t.episodes))]
+            if not rows:
+                continue
+            g = torch.Generator().manual_seed(iteration_seed(self.cfg, iteration, 2))
+            total, count = 0.0, 0
+            bs = max(tr.minibatch_size, len(rows) // 4 or 1)
+            for _ in range(tr.critic_epochs):
+                for mb in torch.randperm(len(rows), generator=g).split(bs):
+                    chosen = [rows[j] for j in mb.tolist()]
+                    loss = self._minibatch_loss(out, targets, head, chosen, clip)
+                    self.optimizers[key].zero_grad()
+                    self.adapter_optimizer.zero_grad()
+                    loss.backward()
+                    gn = torch.nn.utils.clip_grad_norm_(head.parameters(), tr.max_grad_norm)
+                    gn_adapter = torch.nn.utils.clip_grad_norm_(adapter_params, tr.max_grad_norm)
+                    if not (torch.isfinite(loss) and torch.isfinite(gn) and torch.isfinite(gn_adapter)):
+                        self.log(f"warning: non-finite value loss or gradient for critic {key} at iteration {iteration}; update skipped")
+                        self.optimizers[key].zero_grad()
+                        self.adapter_optimizer.zero_grad()
+                        skipped += 1
+                        continue
+                    self.optimizers[key].step()
+                    self.adapter_optimizer.step()
+                    total, count = total + float(loss.detach()), count + 1
+            stats[f"value_loss/{key}" if key != "team" else "value_loss"] = total / max(count, 1)
+        return stats, skipped
+
+    def _minibatch_loss(self, out: Rollout, targets: list[TurnTargets], head, chosen: list[tuple[int, int]], clip):
+        """The clipped value loss of rows ``chosen`` (turn, row), their features recomputed through
+        the critic's adapter with gradients: a mean over the rows, or at token level over the valid
+        reply tokens."""
+        by_turn: dict[int, list[int]] = {}
+        for i, r in chosen:
+            by_turn.setdefault(i, []).append(r)
+        got: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # (turn, row) -> value, old, return
+        for i, rs in by_turn.items():
+            turn = out.turns[i]
+            v = head(self.algorithm.critic_features(self.models, turn, rs, adapter=self.adapter, grad=True)).cpu()
+            for k, r in enumerate(rs):
+                if self.token_level:  # the reply's tokens
+                    m = turn.response_mask[r]
+                    got[(i, r)] = (v[k][m], targets[i].values[r][m], targets[i].returns[r][m])
+                else:
+                    got[(i, r)] = (v[k:k + 1], targets[i].values[r:r + 1], targets[i].returns[r:r + 1])
+        values, old, ret = (torch.cat([got[x][j].reshape(-1) for x in chosen]) for j in range(3))  # in the minibatch's order
+        return losses.value_loss(values, old, ret, None, clip)
+
     def state(self) -> dict:
-        """The heads' and optimisers' states (for a checkpoint)."""
-        return {"heads": {k: h.state_dict() for k, h in self.heads.items()},
-                "critic_opt": {k: o.state_dict() for k, o in self.optimizers.items()}}
+        """The heads' and optimisers' states (for a checkpoint; a learning critic's adapter weights
+        are saved with the agents' adapters)."""
+        out = {"heads": {k: h.state_dict() for k, h in self.heads.items()},
+               "critic_opt": {k: o.state_dict() for k, o in self.optimizers.items()}}
+        if self.adapter_optimizer is not None:
+            out["critic_adapter_opt"] = self.adapter_optimizer.state_dict()
+        return out
 
     def load(self, state: dict) -> None:
-        """A checkpoint's heads and optimisers, with the config's learning rate (not the saved one)."""
+        """A checkpoint's heads and optimisers, with the config's learning rates (not the saved ones)."""
         for k, h in self.heads.items():
             h.load_state_dict(state["heads"][k])
             self.optimizers[k].load_state_dict(state["critic_opt"][k])
             for group in self.optimizers[k].param_groups:
                 group["lr"] = self.cfg.train.critic_lr
+        if self.adapter_optimizer is not None:
+            if "critic_adapter_opt" not in state:
+                from ..errors import UserError
+
+                raise UserError("the checkpoint was written with train.critic=head; resume it with train.critic=head")
+            self.adapter_optimizer.load_state_dict(state["critic_adapter_opt"])
+            for group in self.adapter_optimizer.param_groups:
+                group["lr"] = self.cfg.train.critic_lora_lr

@@ -1,0 +1,145 @@
+"""The learning critic (``train.critic: lora``): its own LoRA adapter on the shared base model and
+a value head, trained together. With the adapter's learning rate at 0 its values are the frozen
+critic's for the same heads; its gradients reach only its adapter and heads; it learns; a stopped
+run resumes to the uninterrupted one; the critic-quality metrics; the settings that cannot work."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import marft
+from marft.assemble import build_trainer
+from marft.errors import UserError
+from marft.maths.algorithms import TargetInputs
+from marft.run.assemble import prepare
+from marft.run.config import load_config
+
+sys.path.insert(0, str(Path(__file__).parent))
+import test_unchanged as U  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+MADE: list = []
+
+
+@pytest.fixture(autouse=True)
+def close_trainers():
+    threads = torch.get_num_threads()
+    yield
+    while MADE:
+        MADE.pop().close()
+    torch.set_num_threads(threads)
+
+
+def _trainer(tmp_path, *extra):
+    cfg = load_config(str(ROOT / U.DUO), [*U.BASE, *U.ENV, *extra, f"output_dir={tmp_path / 'run'}"])
+    team, models, make_env = prepare(cfg)
+    tr = build_trainer(cfg, team, models, make_env, log=lambda m: None)
+    MADE.append(tr)
+    return tr
+
+
+def _frozen_targets(tr, out):
+    """The targets a frozen critic with these heads gives (the base model with every adapter off)."""
+    return tr.algo.targets(TargetInputs(tr.cfg.train, tr.team.names, tr.models, tr.heads, tr._critic_work), out)
+
+
+def _critic_weights(tr) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in tr.models.adapter_state("critic").items()}
+
+
+@pytest.mark.parametrize("algorithm", ["marft", "marft-token", "ippo"])
+def test_at_learning_rate_zero_the_learning_critic_is_the_frozen_one(tmp_path, algorithm):
+    """LoRA starts with B = 0, so the adapter adds exactly nothing; at train.critic_lora_lr=0 it stays
+    so, and the values through it equal the frozen base's for the same heads, bit for bit, before
+    and after two iterations (the heads themselves learn)."""
+    tr = _trainer(tmp_path, f"train.algorithm={algorithm}", "train.critic=lora", "train.critic_lora_lr=0")
+    before = _critic_weights(tr)
+    heads = {k: {n: p.clone() for n, p in h.state_dict().items()} for k, h in tr.heads.items()}
+    out = tr.play(0)
+    for mine, frozen in zip(tr.targets(out), _frozen_targets(tr, out)):
+        assert torch.equal(mine.values, frozen.values) and torch.equal(mine.advantages, frozen.advantages)
+    for _ in range(2):
+        tr.iteration_step()
+    after = _critic_weights(tr)
+    assert all(torch.equal(before[n], after[n]) for n in before)  # lr 0: the adapter did not move
+    assert any(not torch.equal(heads[k][n], h.state_dict()[n]) for k, h in tr.heads.items() for n in heads[k])
+    out = tr.play(2)
+    for mine, frozen in zip(tr.targets(out), _frozen_targets(tr, out)):
+        assert torch.equal(mine.values, frozen.values)
+
+
+@pytest.mark.parametrize("algorithm", ["marft", "marft-token", "ippo"])
+def test_the_critic_update_reaches_only_its_adapter_and_heads(tmp_path, algorithm):
+    tr = _trainer(tmp_path, f"train.algorithm={algorithm}", "train.critic=lora")
+    out = tr.play(0)
+    targets = tr.targets(out)
+    critic = tr.critic
+    for p in tr.models.bases[next(iter(tr.models.bases))].parameters():
+        p.grad = None
+    key, head = next(iter(critic.heads.items()))
+    rows = [(i, r) for i, t in enumerate(out.turns) if key in ("team", t.agent) for r in range(len(t.episodes))][:3]
+    critic._minibatch_loss(out, targets, head, rows, 0.5).backward()
+    named = dict(tr.models.bases[next(iter(tr.models.bases))].named_parameters())
+    touched = {n for n, p in named.items() if p.grad is not None and bool(p.grad.abs().sum() > 0)}
+    assert touched and all(".critic." in n for n in touched), sorted(touched)[:5]
+    assert any("lora_B.critic" in n for n in touched)  # B = 0 at the start: A's gradient is 0, B's is not
+    assert all(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in head.parameters())
+
+
+def test_a_learning_critic_learns_and_says_how_well(tmp_path):
+    """Three iterations: the adapter moves, the value loss is reported, and so is how much of the
+    returns' variance the values explain, with each agent's mean absolute advantage."""
+    tr = _trainer(tmp_path, "train.algorithm=marft", "train.critic=lora", "train.critic_lora_lr=1e-3", "train.iterations=3")
+    before = _critic_weights(tr)
+    metrics = [tr.iteration_step() for _ in range(3)]
+    after = _critic_weights(tr)
+    assert any(not torch.equal(before[n], after[n]) for n in before)
+    for m in metrics:
+        assert m["value_loss"] > 0 and "critic/explained_variance" in m
+        assert m["critic/explained_variance"] <= 1.0
+        assert all(m[f"{a}/abs_advantage"] > 0 for a in tr.team.names)
+
+
+def test_ippo_reports_each_agents_critic(tmp_path):
+    m = _trainer(tmp_path, "train.algorithm=ippo", "train.critic=lora").iteration_step()
+    assert {"value_loss/planner", "value_loss/solver"} <= m.keys()
+    assert any(k.startswith("critic/explained_variance/") for k in m)
+
+
+def test_a_learning_critic_run_stopped_and_resumed_is_the_same_run(tmp_path):
+    """The critic's adapter goes into the checkpoint with the agents' (adapters/critic) and its
+    optimiser into trainer.pt: a run resumed after iteration 1 ends as the uninterrupted one."""
+    over = [*U.BASE, *U.ENV, "train.algorithm=marft", "train.critic=lora", "train.critic_lora_lr=1e-3"]
+    with marft.MarftTrainer(marft.load_config(str(ROOT / U.DUO), [*over, f"output_dir={tmp_path / 'a'}"]), log=None) as t:
+        t.train()
+    with marft.MarftTrainer(marft.load_config(str(ROOT / U.DUO), [*over, "train.iterations=1", f"output_dir={tmp_path / 'b'}"]),
+                            log=None) as t:
+        t.train()
+    with marft.MarftTrainer.resume(tmp_path / "b", ["train.iterations=2"], log=None) as t:
+        t.train()
+    a, b = U.summarise(tmp_path / "a"), U.summarise(tmp_path / "b")
+    assert (tmp_path / "a" / "checkpoints" / "iter_000002" / "adapters" / "critic" / "adapter_model.safetensors").is_file()
+    assert a["metrics"] == b["metrics"] and a["evaluations"] == b["evaluations"]
+    assert a["checkpoints"]["iter_000002"] == b["checkpoints"]["iter_000002"]
+    state = lambda run: torch.load(run / "checkpoints" / "iter_000002" / "trainer.pt", weights_only=False)  # noqa: E731
+    sa, sb = state(tmp_path / "a")["critic_adapter_opt"], state(tmp_path / "b")["critic_adapter_opt"]
+    assert all(torch.equal(x, y) for k in sa["state"] for x, y in zip(sa["state"][k].values(), sb["state"][k].values()))
+
+
+@pytest.mark.parametrize("extra,says", [
+    (["train.critic=value"], "train.critic must be head or lora"),
+    (["train.critic=lora", "train.algorithm=grpo", "train.group_size=2"], "grpo has no critic"),
+    (["train.critic=lora", "train.critic_lora_lr=-1"], "train.critic_lora_lr must be 0"),
+])
+def test_learning_critic_settings_that_cannot_work_say_why(extra, says):
+    with pytest.raises(UserError) as e:
+        load_config(str(ROOT / U.DUO), ["rollout.episodes=4", *extra])
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_agent_adapter_named_critic_is_one_line(tmp_path):
+    with pytest.raises(UserError, match="train.critic lora adds an adapter named 'critic'"):
+        _trainer(tmp_path, "train.critic=lora", "team.agents.0.adapter=critic")
