@@ -21,13 +21,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from marft.maths.stats import t_quantile_975
 
 
-def t_interval(xs: list[float]) -> tuple[float, float, float] | None:
-    """(mean, low, high): mean +- t(0.975, n - 1) s / sqrt(n); None below two values."""
+def t_interval(xs: list[float], lo: float = -math.inf, hi: float = math.inf) -> tuple[float, float, float] | None:
+    """(mean, low, high): mean +- t(0.975, n - 1) s / sqrt(n), clipped to [lo, hi] (what the
+    quantity can be: an accuracy in [0, 1], a difference of two in [-1, 1]); None below two values."""
     if len(xs) < 2:
         return None
     mean = statistics.fmean(xs)
     half = t_quantile_975(len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs))
-    return mean, mean - half, mean + half
+    return mean, max(lo, mean - half), min(hi, mean + half)
 
 
 def read_run(folder: Path) -> dict | None:
@@ -79,10 +80,10 @@ def main(argv=None) -> int:
         seeds = sorted(by[s])
         paired = [x for x in seeds if x in base]
         speed = t_interval([base[x]["seconds"] / by[s][x]["seconds"] for x in paired]) if s != "0" else None
-        diff = t_interval([by[s][x]["final"] - base[x]["final"] for x in paired]) if s != "0" else None
+        diff = t_interval([by[s][x]["final"] - base[x]["final"] for x in paired], -1, 1) if s != "0" else None
         lines.append(f"| {s} | {len(rs)} | {fmt(t_interval([r['seconds'] for r in rs]), digits=0)} "
-                     f"| {fmt(t_interval([r['per_min'] for r in rs]))} | {fmt(t_interval([r['final'] for r in rs]), pct=True)} "
-                     f"| {fmt(t_interval([r['train_acc'] for r in rs]), pct=True)} | {statistics.fmean(r['staleness'] for r in rs):.2f} "
+                     f"| {fmt(t_interval([r['per_min'] for r in rs]))} | {fmt(t_interval([r['final'] for r in rs], 0, 1), pct=True)} "
+                     f"| {fmt(t_interval([r['train_acc'] for r in rs], 0, 1), pct=True)} | {statistics.fmean(r['staleness'] for r in rs):.2f} "
                      f"| {sum(r['dropped'] for r in rs)} | {'' if s == '0' else fmt(speed, digits=2) + 'x'} "
                      f"| {'' if s == '0' else fmt(diff, pct=True)} |")
     lines += ["", "Per run (seconds, episodes / min, held-out accuracy %):", ""]

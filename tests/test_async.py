@@ -33,6 +33,7 @@ import os, random, threading, time
 from marft.envs.base import Grade, Problem, TurnBasedEnv
 
 HANG_S = float(os.environ.get("MARFT_TEST_HANG_S", "0"))
+SLOW_EVERY, SLOW_S = int(os.environ.get("MARFT_TEST_SLOW_EVERY", "0")), float(os.environ.get("MARFT_TEST_SLOW_S", "0"))
 _calls, _lock = [0], threading.Lock()
 
 
@@ -51,7 +52,10 @@ class Slow(TurnBasedEnv):
         with _lock:
             _calls[0] += 1
             nth = _calls[0]
-        time.sleep(HANG_S if HANG_S and nth == 2 else random.choice([0.0, 0.0, 0.02, 0.1, 0.3]))
+        if SLOW_EVERY:
+            time.sleep(SLOW_S if nth % SLOW_EVERY == 0 else 0.0)
+        else:
+            time.sleep(HANG_S if HANG_S and nth == 2 else random.choice([0.0, 0.0, 0.02, 0.1, 0.3]))
         letters = [c for c in reply.lower() if c.isalpha()]
         share = sum(c in "aeiou" for c in letters) / len(letters) if letters else 0.0
         return Grade(share > 0.4, True, score=share)
@@ -126,6 +130,7 @@ def test_no_trained_reply_is_older_than_the_bound_under_random_delays(tiny_model
         return update(self, out, targets, trained)
 
     monkeypatch.setattr(T.Trainer, "update_policy", recording)
+    sys.modules.pop("slow_env", None)  # the environment as this test's variables make it
     cfg = _cfg(tmp_path / "run", "train.iterations=5", "train.max_staleness=1", "train.async_mode=streaming",
                "train.async_chunk=1", "threads=2", "train.save_every=10", env=slow_env)
     with marft.MarftTrainer(cfg, log=None) as t:
@@ -154,6 +159,34 @@ def test_a_hung_episode_delays_only_itself(tiny_model_dir, slow_env, tmp_path, m
     assert all(x["async/learner_wait_s"] < 15 for x in _metrics(tmp_path / "run"))
 
 
+def test_chunks_dropped_as_too_stale_are_replaced(tiny_model_dir, slow_env, tmp_path, monkeypatch):
+    """Every fifth grading takes 3 s while an iteration takes a fraction of one: those chunks come
+    back more than one version old and are dropped, new chunks take their places, and the run ends
+    (a bound that did not replace them would starve the learner)."""
+    monkeypatch.setenv("MARFT_TEST_SLOW_EVERY", "5")
+    monkeypatch.setenv("MARFT_TEST_SLOW_S", "3")
+    sys.modules.pop("slow_env", None)
+    cfg = _cfg(tmp_path / "run", "train.iterations=8", "train.max_staleness=1", "train.async_mode=streaming",
+               "train.async_chunk=1", "threads=2", "train.save_every=10", "eval.before=false", env=slow_env)
+    with marft.MarftTrainer(cfg, log=None) as t:
+        t.train()
+    m = _metrics(tmp_path / "run")
+    assert len(m) == 8 and all(x["async/staleness_max"] <= 1 for x in m)
+    assert sum(x["async/dropped"] for x in m) > 0
+
+
+def test_a_synchronous_checkpoint_resumes_asynchronously(tiny_model_dir, tmp_path):
+    """A run checkpointed synchronously and resumed with train.max_staleness=1 has no adapters of the
+    version before its checkpoint: its first batch plays with the checkpoint's own, and says so."""
+    logs = []
+    with marft.MarftTrainer(_cfg(tmp_path / "run", "train.iterations=2"), log=None) as t:
+        t.train()
+    with marft.MarftTrainer.resume(tmp_path / "run", ["train.iterations=3", "train.max_staleness=1"], log=logs.append) as t:
+        t.train()
+    assert any("holds no adapters of version 1" in line for line in logs), logs
+    assert [x.get("async/staleness_max") for x in _metrics(tmp_path / "run")] == [None, None, 0]
+
+
 def _comparable(summary: dict) -> dict:
     """A summary without what depends on timing (episodes ahead, discarded at a resume)."""
     keep = lambda m: {k: v for k, v in m.items() if k not in ("async/ahead", "async/discarded")}  # noqa: E731
@@ -172,6 +205,9 @@ def test_pipelined_is_the_same_run_twice_and_after_a_resume(tiny_model_dir, tmp_
         runs[name] = _comparable(U.summarise(tmp_path / name))
     assert runs["a"] == runs["b"]
     assert [m["async/staleness_max"] for m in runs["a"]["metrics"]] == [0, 1, 1, 1]
+    # stale rows (every batch after the first) are trained with the decoupled objective, fresh ones with PPO
+    weights = [[k for k in m if k.endswith("/importance_weight")] for m in runs["a"]["metrics"]]
+    assert weights[0] == [] and all(w == ["planner/importance_weight", "solver/importance_weight"] for w in weights[1:])
     with marft.MarftTrainer(_cfg(tmp_path / "c", *over[1:], "train.iterations=2"), log=None) as t:
         t.train()
     with marft.MarftTrainer.resume(tmp_path / "c", ["train.iterations=4"], log=None) as t:

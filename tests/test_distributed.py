@@ -139,6 +139,7 @@ def test_one_worker_repeats_the_in_process_run_and_resumes(ray_cluster, vowel_ov
     resumed.close()
 
 
+@pytest.mark.ray
 def test_pipelined_on_ray_repeats_the_in_process_pipelined_run_and_resumes(ray_cluster, vowel_overrides, tmp_path):
     """Asynchronous training on Ray (train.max_staleness=1, pipelined): the rollout worker plays
     batch t with version t - 1, queued behind it while the learners train batch t - 1; with one
@@ -301,6 +302,29 @@ def test_a_rollout_worker_that_dies_is_replaced_and_its_shard_replayed_exactly(r
     with pytest.raises(UserError, match=r"rollout workers died 4 times \(more than cluster.max_worker_restarts=3\); "
                                         r"the last one while starting \(.*this replacement is broken.*\) at iteration 3"):
         tr.iteration_step()
+    tr.close()
+
+
+@pytest.mark.ray
+def test_a_rollout_worker_that_dies_while_playing_ahead_is_replaced_exactly(ray_cluster, vowel_overrides, tmp_path):
+    """Asynchronous (train.max_staleness=1, pipelined): the worker dies grading batch 0, with batch 1
+    queued behind it; the replacement gets batch 0's version, plays its shard again, and takes
+    batch 1 (and its version) again, so the run equals the in-process pipelined run."""
+    env = tmp_path / "dying.py"
+    env.write_text(DYING_ENV)
+    over = vowel_overrides + SMALL + [f"task.env={env}:Dying", "train.max_staleness=1", "train.iterations=3"]
+    timeless = lambda m: {k: v for k, v in comparable(m).items() if k not in ("async/ahead", "async/discarded")}  # noqa: E731
+    local = trainer_for(over)
+    expected = [timeless(local.iteration_step()) for _ in range(3)]
+    local.close()
+    tr = distributed_for(over + CLUSTER + ["cluster.max_worker_restarts=3"])
+    env.with_suffix(".die").touch()  # the worker dies the first time it grades
+    got = [tr.iteration_step() for _ in range(3)]
+    assert not env.with_suffix(".die").exists()
+    assert [m["distributed/worker_restarts"] for m in got] == [1, 0, 0]
+    assert [timeless(m) for m in got] == expected
+    mine, theirs = snapshot(tr), snapshot(local)
+    assert all(torch.equal(mine[a][k], theirs[a][k]) for a in mine for k in mine[a])
     tr.close()
 
 

@@ -31,7 +31,7 @@ import time
 
 from ..errors import UserError
 from ..run.checkpoints import latest_checkpoint
-from ..run.asynchronous import adapter_snapshot, staleness_metrics, stamp, versions_state
+from ..run.asynchronous import adapter_snapshot, playable, staleness_metrics, stamp, versions_state
 from ..run.episodes import episode_resets, iteration_seed
 from ..run.learner import PolicyBatch, UpdateStats
 from ..turns import Rollout, merge_rollouts
@@ -215,8 +215,8 @@ class RayEpisodes:
         return {"versions": versions_state(self.versions, self.latest), "ahead": ahead}
 
     def load(self, state: dict) -> None:
-        for v, s in state.get("versions", {}).items():
-            self.versions[v] = s
+        if self.k:
+            self.versions = dict(state.get("versions", {}))  # the checkpoint's, not those this run started with
         self.discarded = state.get("ahead", 0)
         if self.discarded:
             self.cluster.log(f"asynchronous training: {self.discarded} episodes in flight when the checkpoint was written are discarded")
@@ -248,7 +248,7 @@ class RayEpisodes:
 
     def _queue(self, t: int) -> None:
         """Batch t on the workers, behind the adapters of its version (not waited for)."""
-        version = max(0, t - self.k)
+        version = playable(self.versions, max(0, t - self.k), self.cluster.log)
         if version != self.holding:
             self._send_version(version, range(len(self.workers)))
         shards = shard(episode_resets(self.cfg, t), len(self.workers))

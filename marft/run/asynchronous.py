@@ -22,15 +22,16 @@ Two modes (``train.async_mode``):
   (a checkpoint keeps the k older versions the next batches play with). k = 1 is verl's
   one-step-off pipeline.
 * ``streaming``: the episodes of iterations t, t + 1, ... (their problems and seeds) are played in
-  chunks of ``train.async_chunk`` in threads of their own, each chunk started only once version
-  t - k exists. The chunks share one engine (:class:`_Batcher`): calls queue, and whenever the
+  chunks of ``train.async_chunk`` in threads of their own, as many at once as keep generation at
+  most k batches ahead of the learner (a dropped chunk is replaced by a new one). The chunks share one engine (:class:`_Batcher`): calls queue, and whenever the
   engine is free it generates the oldest chunk's call together with every queued call of the same
   agent, with the newest version, so a chunk's later turns may come from newer versions than its
   first, and under load the batches grow as in continuous batching; env steps and tool calls of the
   chunks overlap. A batch takes chunks in the order they complete, so a slow or hung
   episode delays only its chunk (up to ``rollout.env_timeout_s``); a chunk whose oldest reply is
   more than k versions older than the batch's iteration is dropped and counted. For a grouped
-  algorithm a chunk holds whole groups, so a group's episodes share their versions turn by turn.
+  algorithm a chunk holds whole groups, so in the team loop a group's episodes share their versions
+  turn by turn (an agent program's calls come when they are ready, each with its own version).
   Which episodes form a batch depends on timing: runs are not reproducible.
 
 Episodes still being played when a run stops or is killed are discarded; a checkpoint records how
@@ -172,6 +173,8 @@ class AsyncEpisodes:
         self.results: dict[int, Rollout] = {}  # pipelined: iteration -> its batch
         self.done: list[Rollout] = []  # streaming: chunks in the order they completed
         self.next_job = None  # streaming: the next chunk to play, (iteration, chunk)
+        self.first = 0  # the first iteration this process plays
+        self.started = self.dropped_chunks = self.lost = 0  # streaming: chunks started, dropped as too stale, lost to an error
         self.running = 0  # episodes being played
         self.discarded = 0  # episodes in flight when the run was checkpointed, counted once on resume
 
@@ -228,6 +231,7 @@ class AsyncEpisodes:
         # the cores split between the learner (this thread) and generation while generation runs;
         # evaluations before the first batch and after the last have them all
         torch.set_num_threads(max(1, self._threads_before - self.gen_threads))
+        self.first = it
         if self.mode == "pipelined":
             targets = [(self._pipelined, (it,))]
         else:
@@ -272,6 +276,7 @@ class AsyncEpisodes:
             with self.cv:
                 if not self._wait_for(lambda: need <= self.latest):
                     return
+                need = playable(self.versions, need, self.log)
                 self.running = self.E
             self._load(need)
             out = self._play(episode_resets(self.cfg, t), iteration_seed(self.cfg, t, 1), (t, 0))
@@ -285,21 +290,39 @@ class AsyncEpisodes:
                 return
 
     def _streaming(self) -> None:
-        """Chunks of the episode stream, one after another, each once version t - k exists."""
+        """Chunks of the episode stream, one after another, while the bound allows (:meth:`_may_start`)."""
         per = self.E // self.chunk
         while True:
             with self.cv:
-                if not self._wait_for(lambda: self.next_job[0] - self.k <= self.latest):
+                if not self._wait_for(self._may_start):
                     return
                 t, q = self.next_job
                 self.next_job = (t, q + 1) if q + 1 < per else (t + 1, 0)
+                self.started += 1
                 self.running += self.chunk
-            resets = episode_resets(self.cfg, t)[q * self.chunk:(q + 1) * self.chunk]
-            out = self._play(resets, iteration_seed(self.cfg, t, 1 if q == 0 else 1000 + q), (t, q))
+            try:
+                resets = episode_resets(self.cfg, t)[q * self.chunk:(q + 1) * self.chunk]
+                out = self._play(resets, iteration_seed(self.cfg, t, 1 if q == 0 else 1000 + q), (t, q))
+            except BaseException:
+                with self.cv:  # lost: it no longer counts against the bound (the error reaches play())
+                    self.lost += 1
+                raise
+            finally:
+                with self.cv:
+                    self.running -= self.chunk
+                    self.cv.notify_all()
             with self.cv:
                 self.done.append(out)
-                self.running -= self.chunk
                 self.cv.notify_all()
+
+    def _may_start(self) -> bool:
+        """Streaming's bound (the condition held): the chunks started and not dropped or lost stay
+        within the batches up to k past the learner's version, so a dropped chunk is replaced by a
+        new one and generation is never more than k batches ahead (a hung chunk holds its place
+        until it times out; the engine serves the oldest chunk's calls first, so chunks beyond the
+        last batch only fill its gaps)."""
+        per = self.E // self.chunk
+        return self.started - self.dropped_chunks - self.lost < (self.latest - self.first + self.k + 1) * per
 
     # ------------------------------------------------------------------ the episode source
     def play(self, iteration: int, resets: list[tuple[int, dict]]) -> Rollout:
@@ -308,6 +331,8 @@ class AsyncEpisodes:
         t0 = time.perf_counter()
         dropped = 0
         with self.cv:
+            if self.error is not None:  # a generation thread failed: its chunk is lost, say why
+                raise self.error
             if self.mode == "pipelined":
                 self._wait_batch(lambda: iteration in self.results)
                 out = self.results.pop(iteration)
@@ -318,6 +343,8 @@ class AsyncEpisodes:
                     part = self.done.pop(0)
                     if iteration - _oldest(part, iteration) > self.k:
                         dropped += len(part.steps)
+                        self.dropped_chunks += 1  # a new chunk may start in its place
+                        self.cv.notify_all()
                         continue
                     parts.append(part)
                     count += len(part.steps)
@@ -360,6 +387,7 @@ class AsyncEpisodes:
     def load(self, state: dict) -> None:
         device = next(iter(self.models.bases.values())).device
         with self.cv:
+            self.versions.clear()  # not the adapters this process started with: the checkpoint's
             for v, s in state.get("versions", {}).items():
                 self.versions[v] = {a: {n: t.to(device) for n, t in w.items()} for a, w in s.items()}
         self.discarded = state.get("ahead", 0)
@@ -385,6 +413,18 @@ class AsyncEpisodes:
 def adapter_snapshot(models, adapters: list[str]) -> dict[str, dict[str, torch.Tensor]]:
     """A copy of every adapter's LoRA weights as they are now (one version)."""
     return {a: {n: t.detach().clone() for n, t in models.adapter_state(a).items()} for a in adapters}
+
+
+def playable(versions: dict[int, dict], need: int, log=print) -> int:
+    """The version a pipelined batch plays with: ``need``, or where the checkpoint a run resumed
+    from does not hold it (written synchronously, or with a smaller ``train.max_staleness``), the
+    oldest newer one, saying so (at most the first k batches after such a resume)."""
+    if need in versions:
+        return need
+    got = min(v for v in versions if v > need)
+    log(f"asynchronous training: the checkpoint holds no adapters of version {need} (it was written with a smaller "
+        f"train.max_staleness); this batch plays with version {got}")
+    return got
 
 
 def stamp(out: Rollout, version: int) -> Rollout:

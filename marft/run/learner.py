@@ -121,7 +121,7 @@ class UpdateStats:
     behaviour_flops: float = 0.0  # needed FLOPs (marft.engines.packing.needed_work) of the behaviour pass
     learner_flops: float = 0.0  # of the updates' forward + backward passes (and reference forwards)
     behaviour_s: float = 0.0  # seconds of the behaviour pass (the rest of the update is the learner's)
-    stale: dict = field(default_factory=dict)  # stale rows (asynchronous training): importance_weight, capped_fraction, their means over steps
+    stale: dict = field(default_factory=dict)  # asynchronous training: importance_weight, capped_fraction over the micro-batches holding stale rows (their fresh rows, weight 1, included), means over steps
 
     STATS = ("policy_loss", "entropy", "approx_kl", "clip_fraction", "kl_ref", "grad_norm")
 
@@ -220,9 +220,9 @@ class AdapterLearner:
                     on_update(True)
                 for k in agg:
                     agg[k] += mb_stats.get(k, 0.0) if k != "grad_norm" else float(gn)
-                for k in ("importance_weight", "capped_fraction"):  # only where the minibatch held stale rows
-                    if k in mb_stats:
-                        stale[k] = stale.get(k, 0.0) + mb_stats[k]
+                if mb_stats.get("stale_weight", 0.0) > 0:  # the minibatch held stale rows: their weights' means
+                    for k in ("importance_weight", "capped_fraction"):
+                        stale[k] = stale.get(k, 0.0) + mb_stats[k] / mb_stats["stale_weight"]
                         stale_n[k] = stale_n.get(k, 0) + 1
                 n_mb += 1
                 if tr.target_kl and mb_stats["approx_kl"] > tr.target_kl:
@@ -293,9 +293,10 @@ class AdapterLearner:
         pending = set() if pending is None else pending
         turns, norm_adv = batch.turns, batch.advantages
         stats = {"policy_loss": 0.0, "entropy": 0.0, "approx_kl": 0.0, "clip_fraction": 0.0, "kl_ref": 0.0, "used": 0}
+        if batch.version is not None:  # asynchronous: the same keys on every data-parallel learner, summed, divided after
+            stats.update(importance_weight=0.0, capped_fraction=0.0, stale_weight=0.0)
         skipped = 0
         mb_tokens = sum(int(turns[i].response_mask[r].sum()) for i, r in mb)
-        stale_w = 0.0
         for chunk in self._my_share(self._micro_batches(batch, mb)):
             agent = turns[chunk[0][0]].agent
             R = max(turns[i].response_ids.shape[1] for i, _ in chunk)
@@ -341,13 +342,10 @@ class AdapterLearner:
             stats["policy_loss"] += w * float(pl.detach())
             stats["approx_kl"] += w * st["approx_kl"]
             stats["clip_fraction"] += w * st["clip_fraction"]
-            if "importance_weight_mean" in st:  # stale rows: the decoupled objective's weights
-                stale_w += w
-                stats["importance_weight"] = stats.get("importance_weight", 0.0) + w * st["importance_weight_mean"]
-                stats["capped_fraction"] = stats.get("capped_fraction", 0.0) + w * st["capped_fraction"]
-        for k in ("importance_weight", "capped_fraction"):  # a mean over the stale micro-batches
-            if k in stats:
-                stats[k] /= max(stale_w, 1e-12)
+            if "importance_weight_mean" in st:  # stale rows: the decoupled objective's weights (weighted sums)
+                stats["stale_weight"] += w
+                stats["importance_weight"] += w * st["importance_weight_mean"]
+                stats["capped_fraction"] += w * st["capped_fraction"]
         return {**stats, "skipped": skipped}
 
     def _micro_batches(self, batch: PolicyBatch, rows: list[Pair]) -> list[list[Pair]]:
