@@ -20,12 +20,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(kind: str, args) -> dict:
+def run(kind: str, args, extra: tuple = ()) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = ["/usr/bin/time", "-f", "%M", sys.executable, "-m", "marft.cli", "train", "configs/coop_duo_sum.yaml",
                f"train.algorithm={args.algorithm}", f"train.critic={kind}", f"train.iterations={args.iterations}",
                "eval.before=false", "eval.problems=4", "eval.ablate=false", "train.save_every=1000", f"threads={args.threads}",
-               f"output_dir={tmp}/run"]
+               f"output_dir={tmp}/run", *extra]
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
         if p.returncode != 0:
             raise SystemExit(p.stderr[-3000:])
@@ -43,16 +43,19 @@ def main(argv=None) -> int:
     ap.add_argument("--algorithm", default="marft")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
-    rows = {kind: run(kind, args) for kind in ("head", "lora")}
+    rows = {"head": run("head", args), "lora": run("lora", args),
+            "lora, critic_epochs 1": run("lora", args, ("train.critic_epochs=1",))}
     print(f"{args.algorithm}, configs/coop_duo_sum.yaml, {args.iterations} iterations (means of iterations 2..{args.iterations}), "
           f"{args.threads} threads")
     print("| critic | features + values (s) | update (s) | iteration (s) | peak memory (MiB) |")
     print("|---|---|---|---|---|")
     for kind, r in rows.items():
         print(f"| {kind} | {r['critic_features_s']:.2f} | {r['critic_update_s']:.2f} | {r['iteration_s']:.2f} | {r['peak_mib']:.0f} |")
-    h, lo = rows["head"], rows["lora"]
-    print(f"lora / head: iteration {lo['iteration_s'] / h['iteration_s']:.2f}x, critic update "
-          f"{lo['critic_update_s'] / max(h['critic_update_s'], 1e-9):.1f}x, peak memory {lo['peak_mib'] / h['peak_mib']:.2f}x")
+    h = rows["head"]
+    for kind, r in rows.items():
+        if kind != "head":
+            print(f"{kind} / head: iteration {r['iteration_s'] / h['iteration_s']:.2f}x, critic update "
+                  f"{r['critic_update_s'] / max(h['critic_update_s'], 1e-9):.1f}x, peak memory {r['peak_mib'] / h['peak_mib']:.2f}x")
     return 0
 
 
