@@ -28,45 +28,10 @@ import test_unchanged as U  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
-DELAY_ENV = '''
-import os, random, threading, time
-from marft.envs.base import Grade, Problem, TurnBasedEnv
-
-HANG_S = float(os.environ.get("MARFT_TEST_HANG_S", "0"))
-SLOW_EVERY, SLOW_S = int(os.environ.get("MARFT_TEST_SLOW_EVERY", "0")), float(os.environ.get("MARFT_TEST_SLOW_S", "0"))
-_calls, _lock = [0], threading.Lock()
-
-
-class Slow(TurnBasedEnv):
-    """The vowel share of the reply; grading takes a random time (a tool call), and with
-    MARFT_TEST_HANG_S the second grading of the process hangs that long."""
-
-    def new_problem(self, rng, split, index):
-        n = index if index is not None else rng.randrange(100)
-        return Problem(f"Say a word about {n}.", n)
-
-    def num_problems(self, split):
-        return 3 if split == "test" else None
-
-    def grade(self, problem, reply):
-        with _lock:
-            _calls[0] += 1
-            nth = _calls[0]
-        if SLOW_EVERY:
-            time.sleep(SLOW_S if nth % SLOW_EVERY == 0 else 0.0)
-        else:
-            time.sleep(HANG_S if HANG_S and nth == 2 else random.choice([0.0, 0.0, 0.02, 0.1, 0.3]))
-        letters = [c for c in reply.lower() if c.isalpha()]
-        share = sum(c in "aeiou" for c in letters) / len(letters) if letters else 0.0
-        return Grade(share > 0.4, True, score=share)
-'''
-
-
 @pytest.fixture(scope="module")
-def slow_env(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("slow_env") / "slow_env.py"
-    path.write_text(DELAY_ENV)
-    return path
+def slow_env() -> Path:
+    """The vowel task whose grading takes time (tests/data/slow_task.py)."""
+    return Path(__file__).parent / "data" / "slow_task.py"
 
 
 def _cfg(run_dir: Path, *extra: str, env: Path | None = None):
@@ -130,7 +95,7 @@ def test_no_trained_reply_is_older_than_the_bound_under_random_delays(tiny_model
         return update(self, out, targets, trained)
 
     monkeypatch.setattr(T.Trainer, "update_policy", recording)
-    sys.modules.pop("slow_env", None)  # the environment as this test's variables make it
+    sys.modules.pop("slow_task", None)  # the environment as this test's variables make it
     cfg = _cfg(tmp_path / "run", "train.iterations=5", "train.max_staleness=1", "train.async_mode=streaming",
                "train.async_chunk=1", "threads=2", "train.save_every=10", env=slow_env)
     with marft.MarftTrainer(cfg, log=None) as t:
@@ -147,7 +112,7 @@ def test_a_hung_episode_delays_only_itself(tiny_model_dir, slow_env, tmp_path, m
     fills every batch from the others, so no iteration waits for it (a synchronous run waits the
     30 s); the hung episode comes back failed or too stale and is left out."""
     monkeypatch.setenv("MARFT_TEST_HANG_S", "30")
-    sys.modules.pop("slow_env", None)
+    sys.modules.pop("slow_task", None)
     cfg = _cfg(tmp_path / "run", "train.iterations=3", "train.max_staleness=1", "train.async_mode=streaming",
                "train.async_chunk=1", "threads=2", "rollout.env_timeout_s=30", "train.save_every=10", "eval.before=false",
                env=slow_env)
@@ -165,7 +130,7 @@ def test_chunks_dropped_as_too_stale_are_replaced(tiny_model_dir, slow_env, tmp_
     (a bound that did not replace them would starve the learner)."""
     monkeypatch.setenv("MARFT_TEST_SLOW_EVERY", "5")
     monkeypatch.setenv("MARFT_TEST_SLOW_S", "3")
-    sys.modules.pop("slow_env", None)
+    sys.modules.pop("slow_task", None)
     cfg = _cfg(tmp_path / "run", "train.iterations=8", "train.max_staleness=1", "train.async_mode=streaming",
                "train.async_chunk=1", "threads=2", "train.save_every=10", "eval.before=false", env=slow_env)
     with marft.MarftTrainer(cfg, log=None) as t:

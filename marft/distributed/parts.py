@@ -31,7 +31,7 @@ import time
 
 from ..errors import UserError
 from ..run.checkpoints import latest_checkpoint
-from ..run.asynchronous import adapter_snapshot, playable, staleness_metrics, stamp, versions_state
+from ..run.asynchronous import adapter_snapshot, keep_version, playable, staleness_metrics, stamp, versions_state
 from ..run.episodes import episode_resets, iteration_seed
 from ..run.learner import PolicyBatch, UpdateStats
 from ..turns import Rollout, merge_rollouts
@@ -196,10 +196,8 @@ class RayEpisodes:
         object in Ray's store, read by all); the driver's engine too. Asynchronous: the weights are
         kept as ``version``, and the batch that plays with them is queued behind them."""
         if self.k:
-            self.versions[version] = adapter_snapshot(self.models, self.cluster.team.adapters)
-            self.latest = max(self.latest, version)
-            for v in [v for v in self.versions if v < self.latest - self.k]:
-                del self.versions[v]
+            self.latest = keep_version(self.versions, version, adapter_snapshot(self.models, self.cluster.team.adapters),
+                                       self.k, self.latest)
             self.engine.update()
             if self.next_batch is not None:
                 self._queue_ready()
@@ -211,8 +209,7 @@ class RayEpisodes:
     def state(self) -> dict:
         if not self.k:
             return {}
-        ahead = sum(len(episode_resets(self.cfg, t)) for t in self.queued)
-        return {"versions": versions_state(self.versions, self.latest), "ahead": ahead}
+        return {"versions": versions_state(self.versions, self.latest), "ahead": self._ahead()}
 
     def load(self, state: dict) -> None:
         if self.k:
@@ -235,10 +232,14 @@ class RayEpisodes:
         out = stamp(merge_rollouts([parts[k] for k in range(len(shards))], self.cluster.team.names), version)
         self._async = {**staleness_metrics(out, iteration), "async/dropped": 0,
                        "async/learner_wait_s": time.perf_counter() - t0,
-                       "async/ahead": sum(len(episode_resets(self.cfg, t)) for t in self.queued)}
+                       "async/ahead": self._ahead()}
         if self.discarded:
             self._async["async/discarded"], self.discarded = self.discarded, 0
         return out
+
+    def _ahead(self) -> int:
+        """Episodes of the batches queued on the workers and not yet handed over."""
+        return len(self.queued) * self.cfg.rollout.episodes
 
     def _queue_ready(self) -> None:
         """Queue every batch whose version exists (t - k <= the newest), up to the last iteration."""

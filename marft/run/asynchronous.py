@@ -185,16 +185,13 @@ class AsyncEpisodes:
         if self.gen_models_on_cuda():  # the copies are made on this thread's stream; generation reads them on its own
             torch.cuda.current_stream().synchronize()
         with self.cv:
-            self.versions[version] = state
-            self.latest = max(self.latest, version)
-            for v in [v for v in self.versions if v < self.latest - self.k]:
-                del self.versions[v]
+            self.latest = keep_version(self.versions, version, state, self.k, self.latest)
             self._unblock()
             self.cv.notify_all()
 
     def _load(self, version: int) -> None:
-        """Generation's adapters become ``version`` (called with the engine's lock held, or by the only
-        generating thread)."""
+        """Generation's adapters become ``version`` (called by the batcher while it holds the engine,
+        or by pipelined's only generating thread between its batches)."""
         if version != self.loaded:
             with self.cv:
                 state = self.versions[version]
@@ -349,7 +346,7 @@ class AsyncEpisodes:
                     parts.append(part)
                     count += len(part.steps)
                 out = merge_rollouts(parts, self.team.names)
-            ahead = sum(len(r.steps) for r in (*self.results.values(), *self.done)) + self.running
+            ahead = self._ahead()
             gen_wait, self._stats["generation_wait_s"] = self._stats["generation_wait_s"], 0.0
         if iteration + 1 >= self.cfg.train.iterations:
             self._stop()  # nothing more to play: what is in flight is not needed
@@ -380,9 +377,11 @@ class AsyncEpisodes:
     def state(self) -> dict:
         """The versions batches after the checkpoint may still play with, and the episodes in flight."""
         with self.cv:
-            versions = versions_state(self.versions, self.latest)
-            ahead = sum(len(r.steps) for r in (*self.results.values(), *self.done)) + self.running
-        return {"versions": versions, "ahead": ahead}
+            return {"versions": versions_state(self.versions, self.latest), "ahead": self._ahead()}
+
+    def _ahead(self) -> int:
+        """Episodes played or being played beyond the batches handed over (the condition held)."""
+        return sum(len(r.steps) for r in (*self.results.values(), *self.done)) + self.running
 
     def load(self, state: dict) -> None:
         device = next(iter(self.models.bases.values())).device
@@ -425,6 +424,16 @@ def playable(versions: dict[int, dict], need: int, log=print) -> int:
     log(f"asynchronous training: the checkpoint holds no adapters of version {need} (it was written with a smaller "
         f"train.max_staleness); this batch plays with version {got}")
     return got
+
+
+def keep_version(versions: dict[int, dict], version: int, state: dict, k: int, latest: int) -> int:
+    """Keep ``state`` as ``version`` in ``versions`` and forget those no batch may play any more
+    (older than the newest - k); returns the newest version."""
+    versions[version] = state
+    latest = max(latest, version)
+    for v in [v for v in versions if v < latest - k]:
+        del versions[v]
+    return latest
 
 
 def stamp(out: Rollout, version: int) -> Rollout:

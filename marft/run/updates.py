@@ -91,79 +91,70 @@ class CriticLearner:
         """``train.critic_epochs`` passes over each head's rows (its agent's turns, or all for the
         team's head) in minibatches of about a quarter; returns the metrics (``value_loss``, or
         ``value_loss/<agent>``) and the number of updates skipped for a non-finite loss or gradient."""
-        if self.adapter is not None:
-            return self._update_with_adapter(out, targets, iteration)
         tr = self.cfg.train
         stats, skipped = {}, 0
         for key, head in self.heads.items():
             idx = [i for i, t in enumerate(out.turns) if key in ("team", t.agent)]
             if not idx:  # an agent an agent program did not call in this batch: nothing to fit
                 continue
-            if self.token_level:
-                feats = torch.cat([targets[i].features.flatten(0, 1) for i in idx])
-                old = torch.cat([targets[i].values.flatten() for i in idx])
-                ret = torch.cat([targets[i].returns.flatten() for i in idx])
-                valid = torch.cat([out.turns[i].response_mask.flatten() for i in idx])
-                feats, old, ret = feats[valid], old[valid], ret[valid]
-            else:
-                feats = torch.cat([targets[i].features for i in idx])
-                old = torch.cat([targets[i].values for i in idx])
-                ret = torch.cat([targets[i].returns for i in idx])
-            g = torch.Generator().manual_seed(iteration_seed(self.cfg, iteration, 2))
-            total, count = 0.0, 0
-            bs = max(tr.minibatch_size, len(feats) // 4 or 1)  # about four minibatches per pass
-            for _ in range(tr.critic_epochs):
-                for mb in torch.randperm(len(feats), generator=g).split(bs):
-                    loss = losses.value_loss(head(feats[mb]), old[mb], ret[mb], None, tr.value_clip or None)
-                    self.optimizers[key].zero_grad()
-                    loss.backward()
-                    gn = torch.nn.utils.clip_grad_norm_(head.parameters(), tr.max_grad_norm)
-                    if not (torch.isfinite(loss) and torch.isfinite(gn)):
-                        self.log(f"warning: non-finite value loss or gradient for critic {key} at iteration {iteration}; update skipped")
-                        self.optimizers[key].zero_grad()
-                        skipped += 1
-                        continue
-                    self.optimizers[key].step()
-                    total, count = total + float(loss.detach()), count + 1
-            stats[f"value_loss/{key}" if key != "team" else "value_loss"] = total / max(count, 1)
+            steps = [(self.optimizers[key], list(head.parameters()))]
+            if self.adapter is not None:  # a learning critic: its features recomputed per minibatch, its adapter stepped too
+                rows = [(i, r) for i in idx for r in range(len(out.turns[i].episodes))]
+                steps.append((self.adapter_optimizer, self.models.adapter_parameters(self.adapter)))
+                clip = tr.critic_lora_value_clip or None
+
+                def loss_of(mb, head=head, rows=rows):
+                    return self._minibatch_loss(out, targets, head, [rows[j] for j in mb.tolist()], clip)
+                n = len(rows)
+            else:  # the frozen critic: the cached features
+                feats, old, ret = self._cached(out, targets, idx)
+
+                def loss_of(mb, head=head, feats=feats, old=old, ret=ret):
+                    return losses.value_loss(head(feats[mb]), old[mb], ret[mb], None, tr.value_clip or None)
+                n = len(feats)
+            mean, bad = self._fit(key, n, loss_of, steps, iteration)
+            skipped += bad
+            stats[f"value_loss/{key}" if key != "team" else "value_loss"] = mean
         return stats, skipped
 
-    def _update_with_adapter(self, out: Rollout, targets: list[TurnTargets], iteration: int) -> tuple[dict, int]:
-        """The learning critic's update: each head's rows (turn, row) in the frozen critic's
-        minibatches (at token level: of replies, each reply's tokens together); per minibatch the
-        features through the adapter with gradients, the clipped value loss on the valid entries,
-        one step of the head and one of the adapter, each gradient clipped to ``max_grad_norm``."""
+    def _cached(self, out: Rollout, targets: list[TurnTargets], idx: list[int]):
+        """The frozen critic's cached features, values before the update and returns of turns ``idx``:
+        per row, or at token level per valid reply token."""
+        if self.token_level:
+            feats = torch.cat([targets[i].features.flatten(0, 1) for i in idx])
+            old = torch.cat([targets[i].values.flatten() for i in idx])
+            ret = torch.cat([targets[i].returns.flatten() for i in idx])
+            valid = torch.cat([out.turns[i].response_mask.flatten() for i in idx])
+            return feats[valid], old[valid], ret[valid]
+        return (torch.cat([targets[i].features for i in idx]), torch.cat([targets[i].values for i in idx]),
+                torch.cat([targets[i].returns for i in idx]))
+
+    def _fit(self, key: str, n: int, loss_of, steps: list, iteration: int) -> tuple[float, int]:
+        """``train.critic_epochs`` passes over ``n`` entries in shuffled minibatches of about a quarter
+        (at least ``train.minibatch_size``): per minibatch ``loss_of(indices)``, backward, each
+        (optimiser, parameters) of ``steps`` clipped to ``max_grad_norm`` on its own and stepped, or
+        the update skipped when the loss or a gradient is not finite. (mean loss, updates skipped)."""
         tr = self.cfg.train
-        stats, skipped = {}, 0
-        adapter_params = self.models.adapter_parameters(self.adapter)
-        clip = tr.critic_lora_value_clip or None
-        for key, head in self.heads.items():
-            rows = [(i, r) for i, t in enumerate(out.turns) if key in ("team", t.agent) for r in range(len(t.episodes))]
-            if not rows:
-                continue
-            g = torch.Generator().manual_seed(iteration_seed(self.cfg, iteration, 2))
-            total, count = 0.0, 0
-            bs = max(tr.minibatch_size, len(rows) // 4 or 1)
-            for _ in range(tr.critic_epochs):
-                for mb in torch.randperm(len(rows), generator=g).split(bs):
-                    chosen = [rows[j] for j in mb.tolist()]
-                    loss = self._minibatch_loss(out, targets, head, chosen, clip)
-                    self.optimizers[key].zero_grad()
-                    self.adapter_optimizer.zero_grad()
-                    loss.backward()
-                    gn = torch.nn.utils.clip_grad_norm_(head.parameters(), tr.max_grad_norm)
-                    gn_adapter = torch.nn.utils.clip_grad_norm_(adapter_params, tr.max_grad_norm)
-                    if not (torch.isfinite(loss) and torch.isfinite(gn) and torch.isfinite(gn_adapter)):
-                        self.log(f"warning: non-finite value loss or gradient for critic {key} at iteration {iteration}; update skipped")
-                        self.optimizers[key].zero_grad()
-                        self.adapter_optimizer.zero_grad()
-                        skipped += 1
-                        continue
-                    self.optimizers[key].step()
-                    self.adapter_optimizer.step()
-                    total, count = total + float(loss.detach()), count + 1
-            stats[f"value_loss/{key}" if key != "team" else "value_loss"] = total / max(count, 1)
-        return stats, skipped
+        g = torch.Generator().manual_seed(iteration_seed(self.cfg, iteration, 2))
+        total, count, skipped = 0.0, 0, 0
+        bs = max(tr.minibatch_size, n // 4 or 1)  # about four minibatches per pass
+        for _ in range(tr.critic_epochs):
+            for mb in torch.randperm(n, generator=g).split(bs):
+                loss = loss_of(mb)
+                for opt, _ in steps:
+                    opt.zero_grad()
+                loss.backward()
+                norms = [torch.nn.utils.clip_grad_norm_(params, tr.max_grad_norm) for _, params in steps]
+                if not (torch.isfinite(loss) and all(torch.isfinite(gn) for gn in norms)):
+                    self.log(f"warning: non-finite value loss or gradient for critic {key} at iteration {iteration}; update skipped")
+                    for opt, _ in steps:
+                        opt.zero_grad()
+                    skipped += 1
+                    continue
+                for opt, _ in steps:
+                    opt.step()
+                total, count = total + float(loss.detach()), count + 1
+        return total / max(count, 1), skipped
 
     def _minibatch_loss(self, out: Rollout, targets: list[TurnTargets], head, chosen: list[tuple[int, int]], clip):
         """The clipped value loss of rows ``chosen`` (turn, row), their features recomputed through
