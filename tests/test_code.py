@@ -186,6 +186,7 @@ def _canonical_pass_rate(problems) -> tuple[float, list]:
     return 1 - len(failing) / len(problems), failing
 
 
+@pytest.mark.slow  # all 974 MBPP solutions through the sandbox: 40 s on 2 cores
 def test_mbpp_canonical_solutions_pass_and_wrong_ones_fail(data_dir):
     problems = list(load_mbpp(MBPP).values())
     rate, failing = _canonical_pass_rate(problems)

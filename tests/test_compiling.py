@@ -6,6 +6,7 @@ give the log-probabilities, entropies and adapter gradients of the uncompiled on
 compiling again for other micro-batch shapes, and leave the layers uncompiled afterwards."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from test_generation import CHATS
@@ -26,6 +27,7 @@ def sample(ctx, compile: bool):
                         static=True, compile=compile)
 
 
+@pytest.mark.slow  # compiles five decode steps: 30 s on 2 cores
 def test_each_agent_acts_with_its_own_adapter_when_compiled(duo):
     team, models = duo
     a, b = team.names
@@ -40,6 +42,7 @@ def test_each_agent_acts_with_its_own_adapter_when_compiled(duo):
         assert torch.equal(w, g), label
 
 
+@pytest.mark.slow  # compiles each agent's step and the learner's layers: 40 s on 2 cores
 def test_agents_taking_turns_compile_once_each(duo):
     """Each agent's compiled step is made once: acting again (after the other agent, the learner or
     the critic) finds it, because nothing it is guarded on changes between turns (peft's

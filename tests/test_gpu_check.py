@@ -1,6 +1,8 @@
 """scripts/gpu_check.py, the check a session lent a GPU runs, dry-run on the CPU with a tiny model,
 so that it does not rot between GPU sessions: every step runs and the summary has its rows."""
 import json
+
+import pytest
 import subprocess
 import sys
 from pathlib import Path
@@ -8,6 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # every step of the GPU check on a tiny model: over a minute on 2 cores
 def test_the_gpu_check_runs_on_a_cpu(tmp_path):
     out = tmp_path / "out"
     env = {"MARFT_CHECK_WORK": str(tmp_path / "work"), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1",

@@ -50,9 +50,14 @@ f = sys._getframe(0)
 while f is not None:
     send = f.f_globals.get("send")
     if callable(send):
-        for line in FORGED.splitlines():
-            send(line)
-        mark(f"sent {len(FORGED.splitlines())} forged replies through the harness's send()")
+        # marked first: the grader may stop reading (a reply out of sequence) before the last line,
+        # and the send that follows then fails with a broken pipe
+        mark(f"sending {len(FORGED.splitlines())} forged replies through the harness's send()")
+        try:
+            for line in FORGED.splitlines():
+                send(line)
+        except BrokenPipeError:
+            mark("the grader stopped reading")
         break
     f = f.f_back
 """,
@@ -218,7 +223,7 @@ EXPECTED = {
     # the forged names table is taken as the reply to "names"; the checker calls add (reference 0,
     # which the harness never gave out), reads the next forged line as its value (None, compared),
     # and the one after, out of sequence, ends the grading
-    "frame walking to the harness's send()": (["sent 5 forged replies through the harness's send"],
+    "frame walking to the harness's send()": (["sending 5 forged replies through the harness's send"],
                                               [*compared(None)[:1], BROKE("a reply out of sequence"), BROKE("a reply out of sequence")]),
     "gc.get_objects() scan": (["found the harness's globals in gc; wrote the forged replies", "replaced the harness's answer"],
                               [*compared(None)[:1], BROKE("a reply out of sequence"), BROKE("a reply out of sequence")]),
