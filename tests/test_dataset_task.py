@@ -522,6 +522,7 @@ def vowel_trl(completions, **kwargs):
 '''
 
 
+@pytest.mark.slow  # over 15 s on 2 cores; kept out of the default suite (15 minutes), run with -m slow
 def test_team_learns_a_dataset_task(tiny_model_dir, vowel_env_path, tmp_path):
     """The vowel check of tests/test_train.py with the task as a JSONL file and a reward function: it
     learns, and its rewards are those of the class-based Vowel task (same prompt, same seeds), with

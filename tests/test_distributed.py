@@ -180,6 +180,7 @@ def test_one_worker_repeats_the_in_process_run_of_a_group_baseline(ray_cluster, 
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # over 15 s on 2 cores; kept out of the default suite (15 minutes), run with -m slow
 def test_two_workers_hold_the_learners_weights_and_the_team_learns(ray_cluster, vowel_overrides):
     tr = distributed_for(vowel_overrides + CLUSTER + ["cluster.rollout_workers=2"])
     rewards = []
@@ -225,6 +226,7 @@ def test_data_parallel_learners_give_one_learners_gradients(ray_cluster, vowel_o
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # over 15 s on 2 cores; kept out of the default suite (15 minutes), run with -m slow
 def test_two_learners_per_adapter_train_as_one_through_the_trainer(ray_cluster, vowel_overrides):
     """``cluster.learners_per_adapter=2`` through the real trainer with the Ray parts for three iterations:
     each adapter's two gloo learners (one micro-batch of each minibatch each, gradients summed)
@@ -341,6 +343,7 @@ def test_a_learner_that_dies_stops_the_run_with_its_checkpoint_intact(ray_cluste
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # over 15 s on 2 cores; kept out of the default suite (15 minutes), run with -m slow
 def test_train_command_on_ray_stopped_and_resumed_matches_one_process(ray_cluster, vowel_overrides, tmp_path, monkeypatch):
     """``marft train`` on Ray, stopped by Ctrl-C during iteration 1 (it writes a checkpoint and exits
     130) and continued with ``marft train --resume`` through the command line, ends as the

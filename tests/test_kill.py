@@ -194,7 +194,7 @@ def test_killed_at_random_moments_resumes_to_the_same_result(setup):
     assert_same_run(straight, run)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)], ids=["sigint", "sigterm"])  # sigterm: -m slow
 def test_sigint_or_sigterm_stops_after_writing_a_checkpoint(setup, sig):
     """Ctrl-C, and SIGTERM (what SLURM, Kubernetes and ``timeout`` send before a kill), alike."""
     folder, over, straight, _ = setup

@@ -248,6 +248,7 @@ def test_a_killed_mixed_run_resumes_to_the_same_result(envs_path, base, tmp_path
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # over 15 s on 2 cores; kept out of the default suite (15 minutes), run with -m slow
 def test_ray_shards_a_mixed_batch_as_one_process_plays_it(envs_path, base, tmp_path):
     """Two rollout workers: each plays its consecutive shard of the iteration's resets (tasks
     included) with its own sampler seed; the same shards played and merged in one process give the

@@ -283,6 +283,7 @@ def comparable(path):
              and not k.startswith(("mfu/", "machine/"))} for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow  # over 15 s on 2 cores; kept out of the default suite (15 minutes), run with -m slow
 def test_real_sweep_killed_while_a_run_holds_a_checkpoint_resumes_that_run(tiny_model_dir, vowel_env_path, tmp_path):
     """A real two-run sweep, SIGKILLed (the sweep and its run) while its first run holds a checkpoint
     of iteration 1 of 3, and run again: that run continues from its checkpoint (the log says so, and
