@@ -1,4 +1,4 @@
-"""The frozen critic against the learning one (issue 44; RESULTS.md "The critic that learns"), from
+"""The frozen critic against the learning one (issue 44; configs/sweep_critic.yaml), from
 sweep folders: per cell (task, team, algorithm, critic) over its seeds, the held-out accuracy, the
 mean training accuracy (the area under the learning curve), the optimiser steps per agent to 50%
 training accuracy and the critic's explained variance of the returns (its mean over the run and
