@@ -51,7 +51,30 @@ def read_run(folder: Path) -> dict | None:
     return {"labels": labels, "seconds": t, "episodes": iterations * batch, "per_min": iterations * batch / t * 60,
             "final": json.loads(final.read_text())["accuracy"], "train_acc": statistics.fmean(acc),
             "curve": (times, smooth), "dropped": sum(m.get("async/dropped", 0) for m in metrics),
-            "staleness": statistics.fmean(m.get("async/staleness_mean", 0.0) for m in metrics)}
+            "staleness": statistics.fmean(m.get("async/staleness_mean", 0.0) for m in metrics),
+            "phases": phases(metrics[1:] or metrics)}
+
+
+# Where an iteration's time goes, from the trainer's per-iteration timings: the rollout (in a
+# synchronous run the learner waits for all of it; pipelined, rollout_s is 0 and the learner's wait
+# for the batch is async/learner_wait_s), generation within it, the rest of the rollout (prompts,
+# scoring, the sandbox or the tools the episodes wait for), and the learner side: behaviour
+# log-probabilities, the update, the critic's features and update.
+PHASES = [("iteration", lambda m: m["seconds"]),
+          ("generation", lambda m: m.get("generation_s", 0.0)),
+          ("rollout besides generation", lambda m: max(m.get("rollout_s", 0.0) - m.get("generation_s", 0.0), 0.0)),
+          ("behaviour log-probs", lambda m: m.get("behaviour_logprobs_s", 0.0)),
+          ("update", lambda m: m.get("learner_s", 0.0)),
+          ("critic", lambda m: m.get("critic_features_s", 0.0) + m.get("critic_update_s", 0.0)),
+          ("learner side", lambda m: m.get("policy_update_s", 0.0) + m.get("critic_features_s", 0.0) + m.get("critic_update_s", 0.0)),
+          ("learner waits for data", lambda m: m.get("async/learner_wait_s", 0.0)),
+          ("generation waits for weights", lambda m: m.get("async/generation_wait_s", 0.0))]
+
+
+def phases(metrics: list[dict]) -> list[list[float]]:
+    """Each phase's seconds per iteration (the first iteration left out where there are more: it
+    includes warming up, and an asynchronous run's first plays ahead)."""
+    return [[get(m) for m in metrics] for _, get in PHASES]
 
 
 def fmt(iv, pct=False, digits=1) -> str:
@@ -84,12 +107,18 @@ def main(argv=None) -> int:
         lines.append(f"| {s} | {len(rs)} | {fmt(t_interval([r['seconds'] for r in rs]), digits=0)} "
                      f"| {fmt(t_interval([r['per_min'] for r in rs]))} | {fmt(t_interval([r['final'] for r in rs], 0, 1), pct=True)} "
                      f"| {fmt(t_interval([r['train_acc'] for r in rs], 0, 1), pct=True)} | {statistics.fmean(r['staleness'] for r in rs):.2f} "
-                     f"| {sum(r['dropped'] for r in rs)} | {'' if s == '0' else fmt(speed, digits=2) + 'x'} "
+                     f"| {sum(r['dropped'] for r in rs)} | {'' if s == '0' else fmt(speed, digits=2) + ('x' if speed else '')} "
                      f"| {'' if s == '0' else fmt(diff, pct=True)} |")
     lines += ["", "Per run (seconds, episodes / min, held-out accuracy %):", ""]
     for s in settings:
         lines.append(f"- staleness {s}: " + "; ".join(f"seed {x}: {r['seconds']:.0f} s, {r['per_min']:.1f}/min, {100 * r['final']:.1f}%"
                                                       for x, r in sorted(by[s].items())))
+    lines += ["", ("Where an iteration's time goes (seconds; means over iterations 2 onwards of every seed's run; "
+                   "a pipelined run generates on one core while the learner side runs on the other):"), "",
+              "| staleness | " + " | ".join(name for name, _ in PHASES) + " |", "|---" * (len(PHASES) + 1) + "|"]
+    for s in settings:
+        cols = [statistics.fmean(x for r in by[s].values() for x in r["phases"][i]) for i in range(len(PHASES))]
+        lines.append(f"| {s} | " + " | ".join(f"{c:.1f}" for c in cols) + " |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
