@@ -28,7 +28,7 @@ def vowel(tiny_model_dir, vowel_env_path, tmp_path):
 def comparable(run: Path) -> list[dict]:
     """metrics.jsonl without times and speeds."""
     return [{k: v for k, v in json.loads(line).items()
-             if k not in ("seconds", "tokens_per_s") and not k.endswith("_s") and not k.startswith(("mfu/", "machine/"))}
+             if k not in ("seconds", "tokens_per_s") and not k.endswith("_s") and not k.startswith(("mfu/", "machine/", "memory/"))}
             for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -72,7 +72,7 @@ def digests(tr) -> dict:
 
 def comparable(m: dict) -> dict:
     """The metrics that do not depend on time or on where the run ran."""
-    return {k: v for k, v in m.items() if not (k.endswith("_s") or k.startswith(("mfu/", "machine/", "distributed/"))
+    return {k: v for k, v in m.items() if not (k.endswith("_s") or k.startswith(("mfu/", "machine/", "memory/", "distributed/"))
                                                 or k in ("seconds", "tokens_per_s"))}
 
 

@@ -276,7 +276,7 @@ def test_ray_shards_a_mixed_batch_as_one_process_plays_it(envs_path, base, tmp_p
 
 
 def comparable_metrics(m: dict) -> dict:
-    return {k: v for k, v in m.items() if not (k.endswith("_s") or k.startswith(("mfu/", "machine/", "distributed/", "throughput/"))
+    return {k: v for k, v in m.items() if not (k.endswith("_s") or k.startswith(("mfu/", "machine/", "memory/", "distributed/", "throughput/"))
                                                 or k in ("seconds", "tokens_per_s"))}
 
 

@@ -280,7 +280,7 @@ grid:
 def comparable(path):
     """A run's metrics.jsonl without its times and speeds."""
     return [{k: v for k, v in json.loads(line).items() if k not in ("seconds", "tokens_per_s") and not k.endswith("_s")
-             and not k.startswith(("mfu/", "machine/"))} for line in path.read_text().splitlines()]
+             and not k.startswith(("mfu/", "machine/", "memory/"))} for line in path.read_text().splitlines()]
 
 
 @pytest.mark.slow  # over 15 s on 2 cores; kept out of the default suite (15 minutes), run with -m slow

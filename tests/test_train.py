@@ -51,6 +51,19 @@ def test_team_learns_a_trivial_task(vowel_overrides, algorithm, share):
     assert last >= first + 0.25, rewards
 
 
+def test_an_iteration_records_the_process_memory(vowel_overrides):
+    from marft.engines.machine import memory_stats
+
+    m = trainer_for(vowel_overrides).iteration_step()
+    assert 0 < m["memory/rss_gb"] <= m["memory/max_rss_gb"]
+    assert "memory/cuda_peak_gb" not in m  # a CPU run
+    before = memory_stats()["memory/rss_gb"]
+    held = torch.ones(50_000_000)  # 0.2 GB, touched
+    after = memory_stats()
+    assert after["memory/rss_gb"] - before > 0.15 and after["memory/max_rss_gb"] >= after["memory/rss_gb"]
+    del held
+
+
 def test_agent_by_agent_freezes_the_others(vowel_overrides):
     tr = trainer_for(vowel_overrides + ["train.agent_by_agent=1"])
     before = snapshot(tr)
@@ -88,7 +101,7 @@ def test_token_level_returns_at_first_tokens_equal_action_level_returns(vowel_ov
 
 def comparable(path):
     skip = {"seconds", "tokens_per_s"}  # and every time (*_s) and speed (mfu/*, machine/*)
-    return [{k: v for k, v in json.loads(line).items() if k not in skip and not k.endswith("_s") and not k.startswith(("mfu/", "machine/"))}
+    return [{k: v for k, v in json.loads(line).items() if k not in skip and not k.endswith("_s") and not k.startswith(("mfu/", "machine/", "memory/"))}
             for line in path.read_text().splitlines()]
 
 
@@ -204,7 +217,7 @@ def test_multi_agent_group_baselines_train_and_repeat_exactly(vowel_overrides, a
         after = snapshot(tr)
         assert all(not same(before[a], after[a]) for a in before), "an adapter did not move"
         assert all(math.isfinite(v) for m in metrics for v in m.values() if isinstance(v, float))
-        runs.append(([{k: v for k, v in m.items() if not (k.endswith("_s") or k.startswith(("mfu/", "machine/", "throughput/"))
+        runs.append(([{k: v for k, v in m.items() if not (k.endswith("_s") or k.startswith(("mfu/", "machine/", "memory/", "throughput/"))
                                                                or k in ("seconds", "tokens_per_s"))} for m in metrics], after))
     (m1, w1), (m2, w2) = runs
     assert m1 == m2

@@ -58,7 +58,7 @@ def _timeless(d: dict) -> dict:
     drop = ("seconds", "machine", "tokens_per_s", "adapters")
     out = {}
     for k, v in d.items():
-        if k in drop or k.endswith("_s") or "per_s" in k or k.startswith(("mfu/", "machine/", "throughput/")):
+        if k in drop or k.endswith("_s") or "per_s" in k or k.startswith(("mfu/", "machine/", "memory/", "throughput/")):
             continue
         out[k] = _timeless(v) if isinstance(v, dict) else v
     return out

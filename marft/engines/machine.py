@@ -56,3 +56,32 @@ def describe_machine(model=None) -> dict:
         p = next(model.parameters())
         out.update(device=str(p.device), dtype=str(p.dtype).replace("torch.", ""))
     return out
+
+
+def memory_stats(device=None) -> dict[str, float]:
+    """Memory in GB (1e9 bytes) for a run's metrics, as verl and NeMo RL log it: ``memory/rss_gb``,
+    this process's resident memory now, and ``memory/max_rss_gb``, the most it has held since it
+    started (where the platform says: /proc/self/status, else ``getrusage``); on a CUDA ``device``,
+    ``memory/cuda_peak_gb`` (the most allocated since the last call, whose counter it resets) and
+    ``memory/cuda_reserved_gb`` (held by torch's caching allocator now)."""
+    out: dict[str, float] = {}
+    try:
+        status = Path("/proc/self/status").read_text().splitlines()
+        kb = {line.split(":")[0]: int(line.split()[1]) for line in status if line.startswith(("VmRSS:", "VmHWM:"))}
+        out["memory/rss_gb"] = kb["VmRSS"] * 1024 / 1e9
+        out["memory/max_rss_gb"] = kb["VmHWM"] * 1024 / 1e9
+    except (OSError, KeyError, ValueError, IndexError):
+        try:
+            import resource
+
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kB on Linux, bytes on macOS
+            out["memory/max_rss_gb"] = peak / 1e9 if platform.system() == "Darwin" else peak * 1024 / 1e9
+        except (ImportError, OSError):
+            pass
+    if device is not None and getattr(device, "type", str(device)) == "cuda":
+        import torch
+
+        out["memory/cuda_peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+        out["memory/cuda_reserved_gb"] = torch.cuda.memory_reserved(device) / 1e9
+        torch.cuda.reset_peak_memory_stats(device)
+    return out

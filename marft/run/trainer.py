@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from ..engines import flops, packing
+from ..engines.machine import memory_stats
 from ..errors import UserError
 from ..maths.algorithms import ALGORITHMS, TargetInputs, TurnTargets
 from ..turns import Rollout
@@ -163,6 +164,7 @@ class Trainer:
                 metrics[f"{agent}/reply_tokens"] = float(torch.cat([t.response_mask.sum(1).float() for t in rows]).mean())
                 metrics[f"{agent}/truncated"] = float(torch.cat([t.truncated.float() for t in rows]).mean())
         metrics.update(self.episodes.metrics(metrics, time.perf_counter() - t0))
+        metrics.update(memory_stats(next(self._base().parameters()).device))
         return metrics
 
     def _without_failed(self, out: Rollout) -> tuple[Rollout, int]:
