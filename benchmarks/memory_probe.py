@@ -5,8 +5,8 @@ grows while the live tensors and objects stay constant is memory held below Pyth
 allocator keeps (what ``malloc_trim`` returns) or native caches (what it does not, for example
 oneDNN's primitive cache, ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``). Linux with glibc only.
 
-    .venv/bin/python benchmarks/memory_probe.py --iterations 12            # the main job, synchronous
-    ONEDNN_PRIMITIVE_CACHE_CAPACITY=16 .venv/bin/python benchmarks/memory_probe.py --iterations 7
+    .venv/bin/python benchmarks/memory_probe.py --iterations 12 seed=0     # the main job, synchronous
+    ONEDNN_PRIMITIVE_CACHE_CAPACITY=16 .venv/bin/python benchmarks/memory_probe.py --iterations 12 seed=0
 
 Trimming after every iteration changes the run it measures (the next iteration takes its pages from
 the system again); the run's own ``memory/rss_gb`` metric, without trimming, is the figure to compare

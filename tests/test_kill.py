@@ -109,7 +109,7 @@ def marft(*args, driver=None, kill=None):
 
 
 def comparable(path):
-    skip = {"seconds", "tokens_per_s"}  # and every time (*_s) and speed (mfu/*, machine/*)
+    skip = {"seconds", "tokens_per_s"}  # and every time (*_s), speed (mfu/*, machine/*) and memory (memory/*)
     return [{k: v for k, v in json.loads(line).items() if k not in skip and not k.endswith("_s") and not k.startswith(("mfu/", "machine/", "memory/"))}
             for line in path.read_text().splitlines()]
 

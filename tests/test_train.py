@@ -100,7 +100,7 @@ def test_token_level_returns_at_first_tokens_equal_action_level_returns(vowel_ov
 
 
 def comparable(path):
-    skip = {"seconds", "tokens_per_s"}  # and every time (*_s) and speed (mfu/*, machine/*)
+    skip = {"seconds", "tokens_per_s"}  # and every time (*_s), speed (mfu/*, machine/*) and memory (memory/*)
     return [{k: v for k, v in json.loads(line).items() if k not in skip and not k.endswith("_s") and not k.startswith(("mfu/", "machine/", "memory/"))}
             for line in path.read_text().splitlines()]
 

@@ -125,10 +125,11 @@ class Trainer:
                 "learner": (self._flops["learner"], times["learner_s"]),
                 "critic_features": (self._critic_work.flops(shape), times["critic_features_s"])}
         rate = flops.machine_rate(self._base())
+        device = next(self._base().parameters()).device
         mfu = {f"mfu/{k}": flops.mfu(f, s, rate) for k, (f, s) in work.items()}
         mfu["mfu/iteration"] = flops.mfu(sum(f for f, _ in work.values()), total, rate)
         mfu["machine/matmul_gflops"] = rate / 1e9
-        mfu["machine/matmul_n"] = flops.rate_size(next(self._base().parameters()).device)
+        mfu["machine/matmul_n"] = flops.rate_size(device)
         if not self._rate_logged:
             self.log(f"MFU against {flops.rate_label(self._base())}")
             self._rate_logged = True
@@ -164,7 +165,7 @@ class Trainer:
                 metrics[f"{agent}/reply_tokens"] = float(torch.cat([t.response_mask.sum(1).float() for t in rows]).mean())
                 metrics[f"{agent}/truncated"] = float(torch.cat([t.truncated.float() for t in rows]).mean())
         metrics.update(self.episodes.metrics(metrics, time.perf_counter() - t0))
-        metrics.update(memory_stats(next(self._base().parameters()).device))
+        metrics.update(memory_stats(device))
         return metrics
 
     def _without_failed(self, out: Rollout) -> tuple[Rollout, int]:
