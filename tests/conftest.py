@@ -2,6 +2,7 @@
 chat template, built offline in a temporary folder (a second or two), and a config pointing at it."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -21,6 +22,24 @@ if not os.environ.get("MARFT_TEST_DATA_DIR") and (_DATA_GIVEN or _SHARED_DATA.is
     os.environ["MARFT_TEST_DATA_DIR"] = _DATA_GIVEN or str(_SHARED_DATA)
 
 from marft.engines.models import build_tiny_model  # noqa: E402,F401 - model.name: tiny's model (test_vllm.py imports it from here)
+
+
+def varies(key: str, also: tuple[str, ...] = ()) -> bool:
+    """Whether a metric depends on the clock, the machine or the process, so that two runs of the same
+    seed need not share it: times (seconds, *_s, tokens per second), speeds (mfu/*, machine/*,
+    throughput/*) and memory (memory/*); `also` names more prefixes (distributed/* where a Ray run is
+    compared with one in process)."""
+    return key == "seconds" or key.endswith("_s") or key.startswith(("mfu/", "machine/", "memory/", "throughput/", *also))
+
+
+def timeless(metrics: dict, also: tuple[str, ...] = ()) -> dict:
+    """A metrics line without the metrics that vary between runs of the same seed (`varies`)."""
+    return {k: v for k, v in metrics.items() if not varies(k, also)}
+
+
+def timeless_lines(path: Path) -> list[dict]:
+    """A run's metrics.jsonl, each line `timeless`."""
+    return [timeless(json.loads(line)) for line in Path(path).read_text().splitlines()]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,6 +11,7 @@ import torch
 import marft
 from marft.cli import main
 from marft.run.checkpoints import latest_checkpoint
+from conftest import timeless_lines
 
 ROOT = Path(__file__).parents[1]
 CONFIG = str(ROOT / "configs/duo_arithmetic.yaml")
@@ -26,10 +27,8 @@ def vowel(tiny_model_dir, vowel_env_path, tmp_path):
 
 
 def comparable(run: Path) -> list[dict]:
-    """metrics.jsonl without times and speeds."""
-    return [{k: v for k, v in json.loads(line).items()
-             if k not in ("seconds", "tokens_per_s") and not k.endswith("_s") and not k.startswith(("mfu/", "machine/", "memory/"))}
-            for line in (run / "metrics.jsonl").read_text().splitlines()]
+    """metrics.jsonl without times, speeds and memory."""
+    return timeless_lines(run / "metrics.jsonl")
 
 
 def weights(run: Path) -> dict:

@@ -24,6 +24,7 @@ from marft.assemble import build_trainer
 from marft.run.episodes import LocalEpisodes
 from marft.run.trainer import Trainer
 from marft.run.updates import LocalPolicy
+from conftest import timeless
 
 from test_train import snapshot, trainer_for, vowel_overrides  # noqa: F401 - fixtures
 
@@ -72,8 +73,7 @@ def digests(tr) -> dict:
 
 def comparable(m: dict) -> dict:
     """The metrics that do not depend on time or on where the run ran."""
-    return {k: v for k, v in m.items() if not (k.endswith("_s") or k.startswith(("mfu/", "machine/", "memory/", "distributed/"))
-                                                or k in ("seconds", "tokens_per_s"))}
+    return timeless(m, also=("distributed/",))
 
 
 # ---------------------------------------------------------------------------- without Ray

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from marft.run.checkpoints import latest_checkpoint
+from conftest import timeless_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -108,10 +109,7 @@ def marft(*args, driver=None, kill=None):
     return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
 
 
-def comparable(path):
-    skip = {"seconds", "tokens_per_s"}  # and every time (*_s), speed (mfu/*, machine/*) and memory (memory/*)
-    return [{k: v for k, v in json.loads(line).items() if k not in skip and not k.endswith("_s") and not k.startswith(("mfu/", "machine/", "memory/"))}
-            for line in path.read_text().splitlines()]
+comparable = timeless_lines  # a run's metrics.jsonl without times, speeds and memory
 
 
 def assert_same_run(a: Path, b: Path):

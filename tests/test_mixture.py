@@ -24,7 +24,7 @@ from marft.run.rollout import Rollout, Turn
 from marft.assemble import build_trainer
 from marft.run.trainer import Trainer
 
-from conftest import VOWEL_ENV
+from conftest import VOWEL_ENV, timeless
 from test_api import comparable
 
 TWO_ENVS = VOWEL_ENV + '''
@@ -276,8 +276,7 @@ def test_ray_shards_a_mixed_batch_as_one_process_plays_it(envs_path, base, tmp_p
 
 
 def comparable_metrics(m: dict) -> dict:
-    return {k: v for k, v in m.items() if not (k.endswith("_s") or k.startswith(("mfu/", "machine/", "memory/", "distributed/", "throughput/"))
-                                                or k in ("seconds", "tokens_per_s"))}
+    return timeless(m, also=("distributed/",))
 
 
 def ray_metrics(config: str, overrides: list[str], iterations: int = 2) -> list[dict]:

@@ -15,8 +15,8 @@ import pytest
 
 from marft.run.checkpoints import latest_checkpoint
 from marft.cli import main
-from marft.errors import UserError
 from marft.experiments.sweep import load_sweep, run_sweep
+from conftest import timeless_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -277,10 +277,7 @@ grid:
 """
 
 
-def comparable(path):
-    """A run's metrics.jsonl without its times and speeds."""
-    return [{k: v for k, v in json.loads(line).items() if k not in ("seconds", "tokens_per_s") and not k.endswith("_s")
-             and not k.startswith(("mfu/", "machine/", "memory/"))} for line in path.read_text().splitlines()]
+comparable = timeless_lines  # a run's metrics.jsonl without its times, speeds and memory
 
 
 @pytest.mark.slow  # over 15 s on 2 cores; kept out of the default suite (15 minutes), run with -m slow

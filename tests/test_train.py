@@ -14,6 +14,7 @@ from marft.cli import main
 from marft.run.config import load_config
 from marft.run.checkpoints import latest_checkpoint
 from marft.assemble import build_trainer
+from conftest import timeless, timeless_lines
 
 @pytest.fixture
 def vowel_overrides(tiny_model_dir, vowel_env_path, tmp_path):
@@ -99,10 +100,7 @@ def test_token_level_returns_at_first_tokens_equal_action_level_returns(vowel_ov
         assert torch.allclose(t.returns[:, 0], a.returns, atol=1e-5)
 
 
-def comparable(path):
-    skip = {"seconds", "tokens_per_s"}  # and every time (*_s), speed (mfu/*, machine/*) and memory (memory/*)
-    return [{k: v for k, v in json.loads(line).items() if k not in skip and not k.endswith("_s") and not k.startswith(("mfu/", "machine/", "memory/"))}
-            for line in path.read_text().splitlines()]
+comparable = timeless_lines  # a run's metrics.jsonl without times, speeds and memory
 
 
 def test_resumed_run_repeats_an_uninterrupted_one(vowel_overrides, tmp_path):
@@ -217,8 +215,7 @@ def test_multi_agent_group_baselines_train_and_repeat_exactly(vowel_overrides, a
         after = snapshot(tr)
         assert all(not same(before[a], after[a]) for a in before), "an adapter did not move"
         assert all(math.isfinite(v) for m in metrics for v in m.values() if isinstance(v, float))
-        runs.append(([{k: v for k, v in m.items() if not (k.endswith("_s") or k.startswith(("mfu/", "machine/", "memory/", "throughput/"))
-                                                               or k in ("seconds", "tokens_per_s"))} for m in metrics], after))
+        runs.append(([timeless(m) for m in metrics], after))
     (m1, w1), (m2, w2) = runs
     assert m1 == m2
     assert all(same(w1[a], w2[a]) for a in w1)
