@@ -27,10 +27,16 @@ AXES = ("task", "team", "algorithm", "critic")
 
 
 def explained_variance(metrics: list[dict], last: int | None = None) -> float | None:
-    """The run's mean explained variance (the team critic's, or the mean of the agents' critics)."""
+    """The run's mean explained variance (the team critic's, or the mean of the agents' critics),
+    over the iterations whose rewards were not all the same: in a batch where every episode failed
+    (or every one succeeded) the returns differ only by rounding in the bootstrapped values, and
+    runs made before marft left such batches out of the metric (2026-12-06) report values like -1.9e15
+    there (``degenerate/same_reward`` 1: the whole batch is one group for MARFT and IPPO)."""
     rows = metrics[-last:] if last else metrics
     per_it = []
     for m in rows:
+        if m.get("degenerate/same_reward") == 1.0:
+            continue
         ev = [v for k, v in m.items() if k == "critic/explained_variance" or k.startswith("critic/explained_variance/")]
         if ev:
             per_it.append(statistics.fmean(ev))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,9 +14,10 @@ import torch
 import marft
 from marft.assemble import build_trainer
 from marft.errors import UserError
-from marft.maths.algorithms import TargetInputs
+from marft.maths.algorithms import TargetInputs, TurnTargets
 from marft.run.assemble import prepare
 from marft.run.config import load_config
+from marft.run.trainer import critic_quality
 
 sys.path.insert(0, str(Path(__file__).parent))
 import test_unchanged as U  # noqa: E402
@@ -102,6 +104,38 @@ def test_a_learning_critic_learns_and_says_how_well(tmp_path):
         assert m["critic/explained_variance"] <= 1.0
         assert all(m[f"{a}/abs_advantage"] > 0 for a in tr.team.names)
 
+
+
+def _two_turns(rewards, values, returns, advantages):
+    """A rollout of 4 one-step episodes, speaker then solver, and its targets, for critic_quality."""
+    turns = [SimpleNamespace(agent=a, episodes=torch.arange(4)) for a in ("speaker", "solver")]
+    out = SimpleNamespace(turns=turns, rewards=torch.tensor(rewards).view(4, 1))
+    targets = [TurnTargets(torch.zeros(0), torch.tensor(v), torch.tensor(a), torch.tensor(r))
+               for v, r, a in zip(values, returns, advantages)]
+    return out, targets
+
+
+def test_critic_quality_against_hand_computed_values():
+    """Returns 1,0,1,0 on both turns; values 0.5 on the speaker's, 0.9,0.1,0.6,0.4 on the solver's:
+    Var(R) = 2/7 and Var(R - V) = 1.34/7 (unbiased, over the 8 entries), so 1 - 1.34/2 = 0.33."""
+    out, targets = _two_turns([1.0, 0, 1, 0], [[0.5] * 4, [0.9, 0.1, 0.6, 0.4]], [[1.0, 0, 1, 0]] * 2,
+                              [[0.5, -0.5, 0.5, -0.5], [0.1, -0.1, 0.4, -0.4]])
+    m = critic_quality(["speaker", "solver"], ["team"], False, out, targets)
+    assert m["critic/explained_variance"] == pytest.approx(0.33, abs=1e-6)
+    assert m["speaker/abs_advantage"] == pytest.approx(0.5) and m["solver/abs_advantage"] == pytest.approx(0.25)
+    per_agent = critic_quality(["speaker", "solver"], ["speaker", "solver"], False, out, targets)
+    assert per_agent["critic/explained_variance/speaker"] == pytest.approx(1 - 1 / 1)  # constant 0.5: the mean, 0
+    assert per_agent["critic/explained_variance/solver"] == pytest.approx(1 - (0.34 / 3) / (1 / 3), abs=1e-6)
+
+
+def test_critic_quality_says_nothing_of_a_batch_whose_rewards_are_all_the_same():
+    """Every episode failed: the returns differ only by rounding in the bootstrapped values, so the
+    ratio would be noise over noise (a run's batch at 0% gave -1.9e15); it is left out, the
+    advantages are still reported."""
+    out, targets = _two_turns([0.0] * 4, [[0.3, 0.2, 0.1, 0.0], [0.0] * 4], [[1e-9, 0, 2e-9, 0], [0.0] * 4],
+                              [[-0.3, -0.2, -0.1, 0.0], [0.0] * 4])
+    m = critic_quality(["speaker", "solver"], ["team"], False, out, targets)
+    assert "critic/explained_variance" not in m and m["speaker/abs_advantage"] == pytest.approx(0.15)
 
 def test_ippo_reports_each_agents_critic(tmp_path):
     m = _trainer(tmp_path, "train.algorithm=ippo", "train.critic=lora").iteration_step()

@@ -367,7 +367,9 @@ def critic_quality(agents: list[str], heads: list[str], token_level: bool, out: 
     and per value head (``"team"``, or an agent's) ``critic/explained_variance`` (or
     ``critic/explained_variance/<agent>``) = 1 - Var(R - V) / Var(R) over its entries (the returns R
     and the values V the advantages were computed with; at token level the reply tokens): 1 is a
-    perfect critic, 0 no better than the mean return, below 0 worse; omitted when the returns do not vary."""
+    perfect critic, 0 no better than the mean return, below 0 worse; omitted when every reward of the
+    batch is the same (then the returns vary only through the bootstrapped values, by as little as
+    float rounding, and the ratio means nothing: one such batch gave -1.9e15)."""
     def entries(i: int, x: torch.Tensor) -> torch.Tensor:
         return x[out.turns[i].response_mask[:, : x.shape[1]]] if token_level and x.dim() == 2 else x.flatten()
 
@@ -377,6 +379,8 @@ def critic_quality(agents: list[str], heads: list[str], token_level: bool, out: 
                 for i, t in enumerate(out.turns) if t.agent == agent]
         if mine:
             stats[f"{agent}/abs_advantage"] = float(torch.cat(mine).abs().mean())
+    if not bool((out.rewards != out.rewards.flatten()[0]).any()):
+        return stats
     for key in heads:
         idx = [i for i, t in enumerate(out.turns) if key in ("team", t.agent)]
         if not idx:
