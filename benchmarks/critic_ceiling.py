@@ -1,15 +1,18 @@
-"""How much of the return's variance a critic could explain on the cooperative sum duo (issue 44):
+"""How much of the return's variance a critic could explain on the cooperative tasks (issue 44):
 from evaluations that kept every episode's transcript (``marft eval ... eval.transcripts=256``),
 the explained variance 1 - Var(R - V) / Var(R) of a value V that knows one thing about the state,
 V = the mean return of the other episodes sharing that thing (leave-one-out, so that a value
 fitted to noise does not count; a group of one gets the other episodes' mean). What it may know:
 
-* at the speaker's turn, the problem: the sum of the two numbers, or the pair itself;
-* at the solver's turn, also the speaker's message: whether it stated the speaker's number.
+* at the first agent's turn, the problem: its answer (the sum of the numbers; the asked entry's
+  value), or all its numbers;
+* at the solver's turn, also the teammates' messages: whether every one stated its part (the
+  sum: each speaker its number; the lookup: the speaker the asked word's entry).
 
 A critic explains at most about what the state's best-known summary does (more only where it sees
 something these summaries miss). A figure near 0 means the episode's outcome is decided after the
 state, by the solver's sampled reply, so that no critic can do much better than the batch's mean.
+The sum duo and trio and the lookup duo (``task.kind: coop``) are read.
 
     .venv/bin/python benchmarks/critic_ceiling.py results/coop_critic_probe --out docs/results_critic
 """
@@ -21,27 +24,51 @@ import re
 import sys
 from pathlib import Path
 
-NUMBERS = re.compile(r"speaker holds (\d+); solver holds (\d+)")
+HOLDS = re.compile(r"(\w+) holds (\d+)")  # the sum: "speaker holds 4; solver holds 5."
+TABLE = re.compile(r"Table: (?P<table>.*?)\. Asked: (?P<asked>\w+)")  # the lookup: "Table: mint=4, plum=0. Asked: mint (solver)."
 
 SUMMARIES = {  # what a value may know: a key of the episode
-    "speaker's turn: the sum": lambda e: e["a"] + e["b"],
-    "speaker's turn: the pair": lambda e: (e["a"], e["b"]),
-    "solver's turn: the speaker stated its number": lambda e: e["stated"],
-    "solver's turn: the sum and whether stated": lambda e: (e["a"] + e["b"], e["stated"]),
+    "first turn: the answer": lambda e: e["answer"],
+    "first turn: the numbers": lambda e: e["numbers"],
+    "solver's turn: every teammate stated its part": lambda e: e["stated"],
+    "solver's turn: the answer and whether stated": lambda e: (e["answer"], e["stated"]),
 }
 
 
+def _answer(obs: str) -> int:
+    """The problem's right answer (a transcript's ``answer`` is the team's): the sum of the numbers
+    held, or the asked entry's value."""
+    table = TABLE.search(obs)
+    if table:
+        return int(dict(kv.split("=") for kv in table.group("table").split(", "))[table.group("asked")])
+    return sum(int(n) for _, n in HOLDS.findall(obs))
+
+
+def _stated(t: dict) -> bool:
+    """Whether every teammate's reply stated its part of the problem."""
+    said = {}
+    for x in t["turns"]:
+        said[x["agent"]] = said.get(x["agent"], "") + " " + x["reply"]
+    table = TABLE.search(t["observation"])
+    if table:  # the lookup: the asked word with its number, as "mint=4", "mint: 4" or "mint is 4"
+        word = table.group("asked")
+        value = dict(kv.split("=") for kv in table.group("table").split(", "))[word]
+        pattern = re.compile(rf"\b{re.escape(word)}\b\W{{0,3}}(?:is\s+)?{value}\b")
+        return all(pattern.search(reply) for agent, reply in said.items() if agent != "solver")
+    held = dict(HOLDS.findall(t["observation"]))
+    return all(n in re.findall(r"\d+", said.get(agent, "")) for agent, n in held.items() if agent != "solver")
+
+
 def episodes(path: Path) -> list[dict]:
-    """The sum duo's episodes of one evaluation: the speaker's number ``a``, the solver's ``b``,
-    whether the speaker's reply stated ``a`` (as a number of its own) and the return (1 or 0)."""
+    """A cooperative task's episodes of one evaluation: the problem's numbers, its answer, whether
+    every teammate stated its part (:func:`_stated`) and the return (1 or 0)."""
     out = []
     for t in json.loads(path.read_text())["transcripts"]:
-        m = NUMBERS.search(t["observation"] or "")
-        if m is None:
-            raise SystemExit(f"{path}: not the sum duo's transcript (no 'speaker holds A; solver holds B')")
-        a, b = int(m.group(1)), int(m.group(2))
-        said = " ".join(x["reply"] for x in t["turns"] if x["agent"] == "speaker")
-        out.append({"a": a, "b": b, "stated": str(a) in re.findall(r"\d+", said), "r": float(t["correct"])})
+        obs = t["observation"] or ""
+        if not (HOLDS.search(obs) or TABLE.search(obs)):
+            raise SystemExit(f"{path}: not a cooperative sum or lookup transcript: {obs[:80]!r}")
+        out.append({"numbers": tuple(int(n) for n in re.findall(r"\d+", obs)), "answer": _answer(obs),
+                    "stated": _stated(t), "r": float(t["correct"])})
     return out
 
 
@@ -74,7 +101,7 @@ def main(argv=None) -> None:
     files = sorted(Path(args.folder).glob("*/eval.json"))
     if not files:
         raise SystemExit(f"{args.folder}: no */eval.json")
-    head = ["run", "episodes", "accuracy", "speaker stated its number", "accuracy if stated / not", *SUMMARIES]
+    head = ["run", "episodes", "accuracy", "teammates stated their parts", "accuracy if stated / not", *SUMMARIES]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for f in files:
         eps = episodes(f)
