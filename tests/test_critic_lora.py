@@ -91,6 +91,23 @@ def test_the_critic_update_reaches_only_its_adapter_and_heads(tmp_path, algorith
     assert all(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in head.parameters())
 
 
+def test_the_critic_adapter_never_acts_for_an_agent(tmp_path):
+    """The critic's adapter, trained far from 0 and used between the agents' passes (its features),
+    leaves the team's rollout as it was: the same replies and rollout log-probabilities, bit for bit.
+    (Were it to act in an agent's pass, or stay acting after the critic's, they would differ.)"""
+    tr = _trainer(tmp_path, "train.algorithm=marft", "train.critic=lora")
+    first = tr.play(0)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in tr.models.adapter_parameters("critic"):
+            p.add_(torch.randn_like(p))  # B as well as A: the adapter now changes every layer it sits on
+    values = tr.targets(first)[0].values  # the critic's pass, through its adapter
+    assert not torch.equal(values, _frozen_targets(tr, first)[0].values)  # the adapter does act for the critic
+    again = tr.play(0)
+    for a, b in zip(first.turns, again.turns):
+        assert a.agent == b.agent and torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logprobs, b.logprobs)
+
+
 def test_a_learning_critic_learns_and_says_how_well(tmp_path):
     """Three iterations: the adapter moves, the value loss is reported, and so is how much of the
     returns' variance the values explain, with each agent's mean absolute advantage."""
