@@ -2,7 +2,9 @@
 from evaluations that kept every episode's transcript (``marft eval ... eval.transcripts=256``),
 the explained variance 1 - Var(R - V) / Var(R) of a value V that knows one thing about the state,
 V = the mean return of the other episodes sharing that thing (leave-one-out, so that a value
-fitted to noise does not count; a group of one gets the other episodes' mean). What it may know:
+fitted to noise does not count), where at least ``MIN_OTHERS`` others share it, else the mean of
+all the others (a mean over one or two episodes is noise, and would count against the value).
+What it may know:
 
 * at the first agent's turn, the problem: its answer (the sum of the numbers; the asked entry's
   value), or all its numbers;
@@ -72,6 +74,9 @@ def episodes(path: Path) -> list[dict]:
     return out
 
 
+MIN_OTHERS = 4
+
+
 def explained(eps: list[dict], key) -> float | None:
     """Leave-one-out explained variance of the group-mean value (None when every return is the same)."""
     n = len(eps)
@@ -88,7 +93,7 @@ def explained(eps: list[dict], key) -> float | None:
     err = 0.0
     for e in eps:
         s, c = groups[key(e)]
-        value = (s - e["r"]) / (c - 1) if c > 1 else (total - e["r"]) / (n - 1)
+        value = (s - e["r"]) / (c - 1) if c > MIN_OTHERS else (total - e["r"]) / (n - 1)
         err += (e["r"] - value) ** 2
     return 1 - err / var
 
@@ -112,7 +117,8 @@ def main(argv=None) -> None:
         evs = [explained(eps, k) for k in SUMMARIES.values()]
         lines.append("| " + " | ".join([f.parent.name, str(len(eps)), f"{100 * acc:.1f}%", f"{100 * len(stated) / len(eps):.0f}%", by,
                                         *("–" if v is None else f"{v:.2f}" for v in evs)]) + " |")
-    text = ("Explained variance of the return (leave-one-out group means) by what a value knows, from each "
+    text = (f"Explained variance of the return (leave-one-out group means, a group of fewer than {MIN_OTHERS + 1} "
+            "episodes valued at the others' mean) by what a value knows, from each "
             f"run's held-out evaluation with every transcript kept (`{args.folder}`).\n\n" + "\n".join(lines) + "\n")
     print(text)
     if args.out:
