@@ -37,13 +37,20 @@ SUMMARIES = {  # what a value may know: a key of the episode
 }
 
 
+def _asked(obs: str) -> tuple[str, int] | None:
+    """The lookup's asked word and its entry's value, or None (not a lookup)."""
+    table = TABLE.search(obs)
+    if table is None:
+        return None
+    word = table.group("asked")
+    return word, int(dict(kv.split("=") for kv in table.group("table").split(", "))[word])
+
+
 def _answer(obs: str) -> int:
     """The problem's right answer (a transcript's ``answer`` is the team's): the sum of the numbers
     held, or the asked entry's value."""
-    table = TABLE.search(obs)
-    if table:
-        return int(dict(kv.split("=") for kv in table.group("table").split(", "))[table.group("asked")])
-    return sum(int(n) for _, n in HOLDS.findall(obs))
+    asked = _asked(obs)
+    return asked[1] if asked else sum(int(n) for _, n in HOLDS.findall(obs))
 
 
 def _stated(t: dict) -> bool:
@@ -51,11 +58,9 @@ def _stated(t: dict) -> bool:
     said = {}
     for x in t["turns"]:
         said[x["agent"]] = said.get(x["agent"], "") + " " + x["reply"]
-    table = TABLE.search(t["observation"])
-    if table:  # the lookup: the asked word with its number, as "mint=4", "mint: 4" or "mint is 4"
-        word = table.group("asked")
-        value = dict(kv.split("=") for kv in table.group("table").split(", "))[word]
-        pattern = re.compile(rf"\b{re.escape(word)}\b\W{{0,3}}(?:is\s+)?{value}\b")
+    asked = _asked(t["observation"])
+    if asked:  # the lookup: the asked word with its number, as "mint=4", "mint: 4" or "mint is 4"
+        pattern = re.compile(rf"\b{re.escape(asked[0])}\b\W{{0,3}}(?:is\s+)?{asked[1]}\b")
         return all(pattern.search(reply) for agent, reply in said.items() if agent != "solver")
     held = dict(HOLDS.findall(t["observation"]))
     return all(n in re.findall(r"\d+", said.get(agent, "")) for agent, n in held.items() if agent != "solver")

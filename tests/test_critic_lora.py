@@ -92,7 +92,7 @@ def test_the_critic_update_reaches_only_its_adapter_and_heads(tmp_path, algorith
 
 
 def test_the_critic_adapter_never_acts_for_an_agent(tmp_path):
-    """The critic's adapter, trained far from 0 and used between the agents' passes (its features),
+    """The critic's adapter, moved far from 0 and used between the agents' passes (its features),
     leaves the team's rollout as it was: the same replies and rollout log-probabilities, bit for bit.
     (Were it to act in an agent's pass, or stay acting after the critic's, they would differ.)"""
     tr = _trainer(tmp_path, "train.algorithm=marft", "train.critic=lora")
