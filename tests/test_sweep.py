@@ -382,3 +382,22 @@ def test_a_sigterm_to_the_sweep_reaches_its_runs(tmp_path):
         assert sw._STOPPING.is_set()
     finally:
         sw._STOPPING.clear()
+
+
+def test_a_runs_log_names_the_interpreter_relative_to_the_working_folder(tmp_path, monkeypatch):
+    """A committed log.txt must not name the folder of the machine it ran on: an interpreter inside
+    the working folder (the project's venv) is written relative to it, one outside it in full."""
+    import sys
+    from pathlib import Path
+
+    from marft.experiments import sweep as sw
+
+    here = Path(sys.executable).parent.parent.parent  # the folder holding the venv
+    monkeypatch.chdir(here)
+    assert sw._execute([sys.executable, "-c", "print('ran')"], tmp_path / "log.txt") == 0
+    text = (tmp_path / "log.txt").read_text()
+    assert f"$ {Path(sys.executable).relative_to(here)} -c print('ran')\n" in text and "ran\n" in text
+    assert str(here) + "/" not in text
+    monkeypatch.chdir(tmp_path)  # the interpreter now lies outside: named in full
+    assert sw._execute([sys.executable, "-c", "pass"], tmp_path / "log2.txt") == 0
+    assert f"$ {sys.executable} -c pass" in (tmp_path / "log2.txt").read_text()

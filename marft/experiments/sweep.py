@@ -404,9 +404,16 @@ _RUNNING_LOCK = threading.Lock()
 _STOPPING = threading.Event()  # set by stop_runs: no new run starts
 
 
+def _shown(path: str) -> str:
+    """``path`` relative to the working folder where it lies inside it (the project's own venv), so
+    that a committed log names no folder of the machine it ran on."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
 def _execute(cmd: list[str], log_path: Path) -> int:
     with open(log_path, "a") as out:
-        out.write(f"\n$ {' '.join(cmd)}\n")
+        out.write(f"\n$ {' '.join([_shown(cmd[0]), *cmd[1:]])}\n")
         out.flush()
         p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         with _RUNNING_LOCK:
