@@ -57,11 +57,15 @@ def cells(paths: list[str]) -> tuple[dict[tuple, dict[str, dict]], list[str]]:
         speed = learning_speed(run.metrics, run.steps_per_iteration)
         fig = {"folder": run.folder, "final": run.final["accuracy"], "area": speed["area"] if speed else None,
                "steps": speed["steps_to"] if speed else None, "ev": explained_variance(run.metrics),
-               "ev_last": explained_variance(run.metrics, 10), "acc": [m.get("accuracy") for m in run.metrics]}
+               "ev_last": explained_variance(run.metrics, 10), "acc": [m.get("accuracy") for m in run.metrics],
+               "machines": list(run.machines)}
         before = out.setdefault(key, {}).get(run.seed)
         if before is not None:
             same = before["acc"] == fig["acc"] and before["final"] == fig["final"]
-            notes.append(f"{'/'.join(key)} seed {run.seed}: {run.folder} repeats {before['folder']}: "
+            where = ("" if before["machines"] == fig["machines"] else
+                     f" (on {' + '.join(fig['machines']) or 'an unrecorded machine'}; the first on "
+                     f"{' + '.join(before['machines']) or 'an unrecorded machine'})")
+            notes.append(f"{'/'.join(key)} seed {run.seed}: {run.folder} repeats {before['folder']}{where}: "
                          f"{'the same training accuracies and held-out accuracy' if same else 'NOT the same run'}")
         out[key][run.seed] = fig
     return out, notes
@@ -81,8 +85,12 @@ def main(argv=None) -> int:
              "over seeds (the seeds as units); explained variance = 1 - Var(R - V) / Var(R) of the returns, the mean over "
              "the run's iterations (and over its last 10).", "",
              "| task | team | algorithm | critic | seeds | held-out accuracy | per seed | mean training accuracy "
-             "| steps to 50%, per seed | explained variance (run) | explained variance (last 10) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| steps to 50%, per seed | explained variance (run) | explained variance (last 10) | machine, per seed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    legend: dict[str, str] = {}  # machine -> its letter, in order of appearance
+
+    def letters(machines: list[str]) -> str:
+        return "+".join(legend.setdefault(m, chr(ord("A") + len(legend))) for m in machines) or "?"
     for key in sorted(data):
         runs = data[key]
         seeds = sorted(runs)
@@ -92,7 +100,11 @@ def main(argv=None) -> int:
                      f"| {' / '.join(_pct(runs[s]['final']) for s in seeds)} "
                      f"| {fmt(t_interval([runs[s]['area'] for s in seeds], 0, 1), pct=True)} "
                      f"| {' / '.join(str(runs[s]['steps'] or '–') for s in seeds)} "
-                     f"| {f'{statistics.fmean(evs):.2f}' if evs else '–'} | {f'{statistics.fmean(evl):.2f}' if evl else '–'} |")
+                     f"| {f'{statistics.fmean(evs):.2f}' if evs else '–'} | {f'{statistics.fmean(evl):.2f}' if evl else '–'} "
+                     f"| {' / '.join(letters(runs[s]['machines']) for s in seeds)} |")
+    lines += ["", "Machines: " + "; ".join(f"{c}: {m}" for m, c in legend.items())
+              + " (?: not recorded; A+B: resumed on another machine). Each run's record says where it ran (machine.json,"
+              " sweep_run.json); the same seed repeats a run exactly only on the same kind of machine."]
     pairs = []
     for key in sorted(data):
         task, team, algorithm, critic = key
