@@ -44,11 +44,16 @@ def same(a, b):
 @pytest.mark.parametrize("share", [False, True])
 def test_team_learns_a_trivial_task(vowel_overrides, algorithm, share):
     tr = trainer_for(vowel_overrides + [f"train.algorithm={algorithm}", f"team.share_adapter={share}"])
-    # 16 iterations; the slowest variant (token-level MARFT with one shared adapter) 28: at 16 it gained
-    # about 0.35 with two threads but 0.15 with one (OMP_NUM_THREADS=1), where 28 pass with either
-    iterations = 28 if (algorithm, share) == ("marft-token", True) else 16
-    rewards = [tr.iteration_step()["reward"] for _ in range(iterations)]
-    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
+    # up to 28 iterations, stopping once the last 4 are 0.25 above the first 4: when a variant takes
+    # off depends on the CPU and its threads (at 16 iterations token-level MARFT with one shared adapter
+    # gained about 0.35 with two threads but 0.15 with one; MARFT with one shared adapter gained 0.19
+    # in 16 on an AMD EPYC without AVX-512, 2026-12-07, and took off at iteration 12 in another process)
+    rewards = []
+    while len(rewards) < 28:
+        rewards.append(tr.iteration_step()["reward"])
+        first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
+        if len(rewards) >= 8 and last >= first + 0.25:
+            break
     assert last >= first + 0.25, rewards
 
 
