@@ -21,6 +21,20 @@ _SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 if not os.environ.get("MARFT_TEST_DATA_DIR") and (_DATA_GIVEN or _SHARED_DATA.is_dir()):
     os.environ["MARFT_TEST_DATA_DIR"] = _DATA_GIVEN or str(_SHARED_DATA)
 
+
+def _cpus() -> int:
+    """The CPUs this process may use (its affinity, not the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+# `pytest -n auto` (pytest-xdist, as the README's test command runs the suite): each worker gets an equal
+# share of the CPUs for torch, and so do the processes its tests start (OMP_NUM_THREADS), since workers
+# whose threads outnumber the cores wait at each other's OpenMP barriers. A thread count set by the user
+# is kept. Threads change no test's outcome: every comparison is between runs made with the same count.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cpus() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 from marft.engines.models import build_tiny_model  # noqa: E402,F401 - model.name: tiny's model (test_vllm.py imports it from here)
 
 
@@ -42,8 +56,20 @@ def timeless_lines(path: Path) -> list[dict]:
     return [timeless(json.loads(line)) for line in Path(path).read_text().splitlines()]
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook; .venv-vllm runs without it
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto``: a worker per CPU this process may use, at most 8 (the longest group, the Ray tests,
+    bounds the suite's time beyond that)."""
+    return max(1, min(8, _cpus()))
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` are skipped, with the reason, where no CUDA GPU is available."""
+    """With ``--dist loadgroup`` (pytest-xdist), a test file's tests run in one worker, in order, sharing
+    its module fixtures, and every test that starts a Ray cluster runs in one worker too, one at a time.
+    Tests marked ``gpu`` are skipped, with the reason, where no CUDA GPU is available."""
+    for item in items if getattr(config.option, "dist", "no") == "loadgroup" else ():
+        item.add_marker(pytest.mark.xdist_group("ray" if "ray" in item.keywords else item.nodeid.split("::")[0]))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (none here); scripts/gpu_check.py runs these on one")

@@ -83,7 +83,7 @@ def test_readme_is_a_front_door():
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 250
     setup_and_train = "bash scripts/setup.sh && .venv/bin/marft train configs/coop_duo_sum.yaml"
-    tests = "bash scripts/setup.sh --vllm && .venv/bin/python -m pytest && .venv-vllm/bin/python -m pytest -m vllm"
+    tests = "bash scripts/setup.sh --vllm && .venv/bin/python -m pytest -n auto --dist loadgroup && .venv-vllm/bin/python -m pytest -m vllm"
     assert f"```bash\n{setup_and_train}\n```" in readme and f"```bash\n{tests}\n```" in readme
     assert tests in (ROOT / ".ci" / "run").read_text()  # CI runs exactly the README's test command
     assert "95.3%" in readme and "3.1%" in readme

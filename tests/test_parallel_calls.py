@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -66,6 +67,16 @@ async def gathered_b_first(problem, client):  # the other order in the gather, a
     return reply.choices[0].message.content
 
 
+async def gathered_after_a_thread(problem, client):  # drafter_a's call waits for work in a thread first
+    async def late_a():
+        await asyncio.to_thread(time.sleep, 0.02)  # a tool, a name lookup, the openai client's platform check
+        return await ask_async(client, "drafter_a", problem["prompt"] + " Draft it.")
+
+    a, b = await asyncio.gather(late_a(), ask_async(client, "drafter_b", problem["prompt"] + " Check it."))
+    reply = await client.chat.completions.create(model="judge", messages=judged(problem, a, b))
+    return reply.choices[0].message.content
+
+
 def pooled(problem, client):  # the same program with a thread pool
     def ask(agent, text):
         return client.chat.completions.create(model=agent, messages=[{"role": "user", "content": text}]
@@ -110,6 +121,17 @@ def test_gathered_calls_are_one_step_in_team_order_whatever_their_arrival(trio):
     for _ in range(3):
         again, batches_again = play(trio, gathered_b_first, n)
         assert snapshot(again) == snapshot(first) and batches_again == batches
+
+
+def test_a_call_made_after_work_in_a_thread_joins_its_batch(trio):
+    """An async program's loop that waits for a thread (``asyncio.to_thread``; the ``openai`` client
+    looks up the platform so at its first request) waits for more than its calls: the batch does not
+    start without the call that follows (it started with drafter_b's calls alone, under load often)."""
+    first, batches = play(trio, gathered)
+    for _ in range(2):
+        again, batches_again = play(trio, gathered_after_a_thread)
+        assert batches_again == batches == [("drafter_a", 4), ("drafter_b", 4), ("judge", 4)]
+        assert snapshot(again) == snapshot(first)
 
 
 def test_a_thread_pool_gives_the_async_programs_rollout(trio):

@@ -5,7 +5,8 @@ times and the machine record), and the sha256 of its adapters' and critic's tens
 optimisers' states.
 
 The recorded outputs (``tests/data/unchanged.json``) were written by the code before the redesign
-of issue 42; they are keyed by the CPU they were recorded on, because another CPU (another matrix
+of issue 42 (the Intel Xeon's; the AMD EPYC's, 2026-12-07, by 058c32d, whose training code gave the
+Intel record bit for bit); they are keyed by the CPU they were recorded on, because another CPU (another matrix
 kernel) rounds differently and then samples other tokens: on a CPU with no record the test skips,
 saying so. Record them for this CPU (on the code you trust) with::
 

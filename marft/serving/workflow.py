@@ -26,9 +26,10 @@ calls no agent is left out of training (``failed``, its calls kept for its trans
 the others go on.
 
 Reproducible batches: the endpoint generates a batch when every running episode is blocked on its
-calls (:class:`_Episode`): an async workflow's event loop is idle (exact), a threaded workflow's own
-thread waits for a reply (exact), calls from threads the workflow starts itself have stopped coming
-for ``SETTLE_S`` (a window: a thread that takes longer to make its call joins a later batch). Within
+calls (:class:`_Episode`): an async workflow's event loop is idle with no work out in a thread
+(exact), a threaded workflow's own thread waits for a reply (exact), calls from threads the workflow
+starts itself, or an async workflow's work in a thread, have stopped coming for ``SETTLE_S`` (a
+window: a thread that takes longer to make its call joins a later batch). Within
 a batch calls are ordered by episode, round, agent, messages and the order the program made them
 (an async program's order is fixed; threads' is not, which matters only for calls identical in agent
 and messages). So the same seed gives the same replies and steps, parallel calls or not. A workflow
@@ -44,6 +45,7 @@ is the episode's number in the batch.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import selectors
 import threading
@@ -100,6 +102,7 @@ class _Episode:
         self.loop = None  # an async workflow's event loop: "busy", or waits with "no timer" or "timers" (None: threaded)
         self.thread = None  # a threaded workflow's own thread
         self.inside: set[int] = set()  # threads waiting for a reply
+        self.jobs = 0  # an async workflow's work out in threads (run_in_executor: asyncio.to_thread, name lookups)
         self.threads: set[int] = set()  # every thread that made a call
         self.done = False
 
@@ -124,6 +127,11 @@ class _Episode:
             except (AttributeError, ValueError):  # no response (the call failed), or no such header
                 pass
 
+    def job_done(self) -> None:
+        with self.lock:
+            self.jobs -= 1
+            self.last = time.monotonic()
+
     def waits(self, state: str) -> None:
         """An async workflow's event loop starts waiting (``"no timer"``, ``"timers"``) or stops
         (``"busy"``); when it starts with calls out, the server looks at the episodes again."""
@@ -133,8 +141,9 @@ class _Episode:
 
     def settled(self, waiting: int, now: float) -> bool:
         """Every call the program made is waiting at the server (``waiting`` of them) and the program
-        waits for them: an async workflow's event loop waits for I/O with no timer set (with a timer,
-        a sleep or a timeout of the program's own: no call made or reply received for SETTLE_S), a
+        waits for them: an async workflow's event loop waits for I/O with no timer set and no work out
+        in a thread (with a timer, a sleep or a timeout of the program's own, or work in a thread:
+        no call made, reply received or thread's work finished for SETTLE_S), a
         threaded workflow's own thread waits for a reply (a call from another thread of its own: no
         call made or reply received for SETTLE_S). A program that sends calls through clients of its
         own (the server has more than this client made) is settled as soon as one waits: calls made
@@ -147,8 +156,10 @@ class _Episode:
                 return False
             if waiting > out:
                 return True
-            if self.loop in ("busy", "no timer"):
-                return self.loop == "no timer"
+            if self.loop == "busy":
+                return False
+            if self.loop == "no timer" and not self.jobs:
+                return True
             if self.loop is None and self.threads == {self.thread} and self.thread in self.inside:
                 return True
             return now - self.last >= SETTLE_S
@@ -196,6 +207,43 @@ def _transport(episode: _Episode, inner):
     return Counted()
 
 
+class _WatchedLoop(asyncio.SelectorEventLoop):
+    """An async workflow's event loop: its selector (:class:`_Watched`) says when it waits, and it
+    counts the work it hands to threads (``run_in_executor``: ``asyncio.to_thread``, name lookups),
+    since a loop that waits for a thread waits for more than its calls (a thread's work joins the
+    batch within SETTLE_S, as a timer does: :meth:`_Episode.settled`)."""
+
+    def __init__(self, episode: _Episode):
+        super().__init__(_Watched(episode))
+        self.episode = episode
+
+    def run_in_executor(self, executor, func, *args):
+        with self.episode.lock:
+            self.episode.jobs += 1
+        future = super().run_in_executor(executor, func, *args)
+        future.add_done_callback(lambda _: self.episode.job_done())
+        return future
+
+
+@functools.cache
+def _platform():
+    """What the ``openai`` client puts in its headers about this machine, looked up once."""
+    from openai._base_client import get_platform
+
+    return get_platform()
+
+
+def _knows_platform(client) -> None:
+    """The ``openai`` async client looks the platform up in a thread at its first request, before the
+    request is made: a wait that is not for a call. Told here (once per process), the client's calls
+    batch exactly; a client without the attribute (another release) is left as it is."""
+    if getattr(client, "_platform", False) is None:
+        try:
+            client._platform = _platform()
+        except (ImportError, AttributeError):  # another release of openai: it looks the platform up itself
+            pass
+
+
 class _Watched(selectors.DefaultSelector):
     """The selector of an async workflow's event loop: the loop waits exactly when it selects with a
     timeout that is not 0 (asyncio selects with 0 while callbacks are ready): for I/O alone with no
@@ -241,7 +289,7 @@ def play_workflows(team, server, workflow: Callable, problems: list[dict], rewar
     server.ready = ready
     server.patience_s = min(server.patience_s, timeout_s / 4)  # an episode busy elsewhere holds the rest back at most this
     is_async = inspect.iscoroutinefunction(workflow)
-    runner = getattr(asyncio, "Runner", None)  # Python 3.11: an event loop of our own (_Watched)
+    runner = getattr(asyncio, "Runner", None)  # Python 3.11: an event loop of our own (_WatchedLoop)
 
     def finish(e: int) -> None:
         episodes[e].done = True
@@ -256,11 +304,12 @@ def play_workflows(team, server, workflow: Callable, problems: list[dict], rewar
                                                           trust_env=False)
                     async with openai.AsyncOpenAI(base_url=server.base_url(ids[e]), api_key=server.api_key,
                                                   max_retries=0, timeout=None, http_client=http) as client:
+                        _knows_platform(client)
                         return await workflow(problems[e], client)
                 if runner is None:
                     answers[e] = asyncio.run(go())
                 else:
-                    with runner(loop_factory=lambda: asyncio.SelectorEventLoop(_Watched(ep))) as run:
+                    with runner(loop_factory=lambda: _WatchedLoop(ep)) as run:
                         answers[e] = run.run(go())
             else:  # one connection pool for every episode (building one takes about 20 ms of CPU)
                 ep.thread = threading.get_ident()
