@@ -113,9 +113,13 @@ def test_callbacks_stop_and_resume(vowel, tmp_path):
     assert [m["iteration"] for m in plain] == [1] and latest_checkpoint(first.run_dir).name == "iter_000001"
     with pytest.raises(marft.UserError, match="already has checkpoints"):
         marft.MarftTrainer(config, log=None)
-    with marft.MarftTrainer.resume(first.run_dir, log=None, callbacks=[Stopper()]) as trainer:
+    records = json.loads((first.run_dir / "machine.json").read_text())
+    (first.run_dir / "machine.json").write_text(json.dumps([{**records[0], "dtype": "bfloat16"}]))
+    said: list = []  # the first attempt said it ran in bf16: the resume says the machine changed
+    with marft.MarftTrainer.resume(first.run_dir, log=said.append, callbacks=[Stopper()]) as trainer:
         assert trainer.iteration == 1 and trainer.checkpoint.name == "iter_000001"
         second = trainer.train()
+    assert any("another kind of machine" in s and "dtype bfloat16 -> float32" in s for s in said), said
     assert not second.stopped and [m["iteration"] for m in second.metrics] == [1, 2, 3]
     assert seen["evals"] == [("untrained", 0), ("final", 3), ("final_without_planner", 3)]  # the config has eval.ablate
     assert set(second.ablations) == {"planner"}
@@ -123,6 +127,20 @@ def test_callbacks_stop_and_resume(vowel, tmp_path):
     assert [m["from_iteration"] for m in machine] == [0, 1] and machine[1]["dtype"] == "float32"
     with pytest.raises(marft.UserError, match="cannot change train.algorithm"):
         marft.MarftTrainer.resume(first.run_dir, train={"algorithm": "grpo"})
+
+
+def test_a_resume_on_another_kind_of_machine_says_so():
+    from marft.run.folder import machine_change
+
+    cpu = {"from_iteration": 0, "cpu": "AMD EPYC", "gpu": None, "device": "cpu", "dtype": "float32",
+           "torch_threads": 2, "torch": "2.13.0"}
+    assert machine_change(None, cpu) is None and machine_change(cpu, {**cpu, "from_iteration": 5}) is None
+    assert machine_change(cpu, {**cpu, "torch": "2.14.0"}) is None  # a version alone is recorded, not said
+    said = machine_change(cpu, {**cpu, "cpu": "Intel Xeon", "dtype": "bfloat16"})
+    assert "cpu AMD EPYC -> Intel Xeon, dtype float32 -> bfloat16" in said and "iteration 0's" in said
+    assert "torch_threads 2 -> 1" in machine_change(cpu, {**cpu, "torch_threads": 1})
+    gpu = {**cpu, "gpu": "NVIDIA H100", "device": "cuda", "dtype": "bfloat16"}
+    assert machine_change(gpu, {**gpu, "torch_threads": 16}) is None  # CPU threads do not move a GPU's sums
 
 
 def test_trained_team_replies_as_in_its_evaluation(vowel, tmp_path):

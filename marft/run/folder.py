@@ -98,20 +98,23 @@ class RunFolder:
                             f"({differ[0]}={yaml_value(b.get(differ[0]))}), or leave {given_file} out")
 
     # ------------------------------------------------------------------ what the run writes
-    def start(self, cfg: RunConfig, machine: dict, iteration: int) -> None:
+    def start(self, cfg: RunConfig, machine: dict, iteration: int) -> str | None:
         """The run (re)starts at ``iteration``: its config saved, where it runs recorded
         (``machine.json``), and the metrics of a killed attempt after its checkpoint cut (a new
-        run's metrics file starts empty)."""
+        run's metrics file starts empty). Returns a one-line notice when a resume runs on another
+        kind of machine than the attempt before it, else None."""
         save_config(cfg, self.path / "config.yaml")
-        self.record_machine(machine, iteration)
+        before = self.record_machine(machine, iteration)
         if self.resumed:
             checkpoints.truncate_metrics(self.metrics_path, iteration)
         else:
             self.metrics_path.unlink(missing_ok=True)
+        return machine_change(before, machine) if self.resumed else None
 
-    def record_machine(self, machine: dict, iteration: int) -> None:
+    def record_machine(self, machine: dict, iteration: int) -> dict | None:
         """Append where this attempt of the run ran (CPU, GPU, device, dtype, versions) to
-        ``machine.json``: one record per start or resume, with the iteration it started from."""
+        ``machine.json``: one record per start or resume, with the iteration it started from.
+        Returns the record of the attempt before this one (None for the first)."""
         from .evaluation import write_json
 
         path = self.path / "machine.json"
@@ -121,6 +124,7 @@ class RunFolder:
             records = []
         records = [r for r in records if r.get("from_iteration", 0) < iteration]  # a resume replaces later ones
         write_json([*records, {"from_iteration": iteration, **machine}], path)
+        return records[-1] if records and isinstance(records[-1], dict) else None
 
     def trackers(self, cfg: RunConfig, iteration: int):
         """The run's trackers (:class:`marft.run.trackers.Trackers`), continuing after ``iteration``
@@ -269,3 +273,23 @@ def check_new_run_dir(run_dir: Path, config_file: str | Path | None = None) -> N
         what = found[0].name + ("/" if found[0].is_dir() else "")
         raise UserError(f"output_dir {run_dir} already holds {what} of an earlier run, which a new run would overwrite, and no "
                         f"checkpoint to resume from; choose another output_dir=..., or move that run's files away first")
+
+
+# what makes the same seed give other numbers: another processor, device or precision, and on a CPU
+# the thread count (it splits the sums)
+_KIND = ("cpu", "gpu", "device", "dtype")
+
+
+def machine_change(before: dict | None, now: dict) -> str | None:
+    """A one-line notice when ``now`` (this attempt's machine record) differs from ``before`` (the
+    attempt it resumes) in what decides the numbers; None when it does not, or nothing is known."""
+    if not before:
+        return None
+    kind = _KIND + (("torch_threads",) if now.get("device") == "cpu" else ())
+    changed = [f"{k} {before.get(k)} -> {now.get(k)}" for k in kind if k in before and before.get(k) != now.get(k)]
+    if not changed:
+        return None
+    return (f"resumed on another kind of machine than iteration {before.get('from_iteration', 0)}'s attempt "
+            f"({', '.join(changed)}): the run goes on, but will not repeat one made without a break; "
+            "machine.json records both")
+

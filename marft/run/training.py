@@ -80,9 +80,11 @@ class Training:
         trackers = run.trackers(cfg, self.trainer.iteration)
         untrained = None
         try:
-            run.start(cfg, describe(self.models), self.trainer.iteration)
+            moved = run.start(cfg, describe(self.models), self.trainer.iteration)
             if run.resumed:
                 self._log(f"resumed {run.path} at iteration {self.trainer.iteration} from {run.checkpoint.name}")
+                if moved:
+                    self._log(moved)
             else:
                 self._log(f"marft train: {cfg.train.algorithm}, team {' -> '.join(self.team.names)}"
                           f"{' (shared adapter)' if cfg.team.share_adapter else ''}, {cfg.train.iterations} iterations "
