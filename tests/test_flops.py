@@ -22,6 +22,13 @@ def test_peak_override_replaces_the_measurement_and_is_named(monkeypatch):
     assert label.endswith("(2048^3 float32 product measured on cpu)") and float(label.split()[0]) > 0
 
 
+@pytest.mark.parametrize("rate, shown", [(790.4e12, "790"), (2.34e12, "2.3"), (0.1e12, "0.1"), (0.043e12, "0.043")])
+def test_a_measured_rate_is_named_with_its_digits(monkeypatch, rate, shown):
+    # a busy 2-core CPU measured 0.04 TFLOP/s, once shown as "0.0 TFLOP/s"
+    monkeypatch.setattr(flops, "machine_rate", lambda model: rate)
+    assert flops.rate_label(torch.nn.Linear(4, 4)) == f"{shown} TFLOP/s (2048^3 float32 product measured on cpu)"
+
+
 @pytest.mark.parametrize("bad", ["fast", "-3", "nan"])
 def test_a_bad_peak_is_a_one_line_error(monkeypatch, bad):
     monkeypatch.setenv("MARFT_PEAK_TFLOPS", bad)

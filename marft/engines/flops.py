@@ -145,7 +145,9 @@ def rate_label(model) -> str:
         return f"{rate / 1e12:.0f} TFLOP/s (MARFT_PEAK_TFLOPS)"
     n = rate_size(p.device)
     dtype = str(p.dtype).replace("torch.", "").replace("bfloat16", "bf16")
-    return f"{rate / 1e12:.1f} TFLOP/s ({n}^3 {dtype} product measured on {p.device})"
+    tflops = rate / 1e12  # a slow or busy CPU measures under 0.05: two significant digits, never "0.0"
+    shown = f"{tflops:.0f}" if tflops >= 100 else f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.2g}"
+    return f"{shown} TFLOP/s ({n}^3 {dtype} product measured on {p.device})"
 
 
 def mfu(flops: float, seconds: float, rate: float) -> float:
