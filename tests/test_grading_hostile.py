@@ -258,6 +258,11 @@ EXPECTED = {
                                      each("the program stopped before this test (OSError: [Errno 9] Bad file descriptor)")),
     "answer every request itself with True": ([f"answered request {i} itself" for i in (1, 2, 3, 4)], compared(True)),
 }
+# Where two true reports race: the gc scan's harness kept no object, so the call of test 1 (to the
+# forged reference 0) ends the program; test 2's request then either meets the forged reply already
+# in the pipe (out of sequence) or, when the program ended first (a busy machine), the closed pipe.
+ALSO = {"gc.get_objects() scan": [*compared(None)[:1], *["the program stopped before this test (ValueError: a value "
+                                                          "in the frame cannot be built (IndexError))"] * 2]}
 KILLERS = ("kill the parent", "kill the process group and everyone")
 
 
@@ -283,7 +288,7 @@ def test_a_program_that_forges_its_grade_scores_zero(name, sandbox_results):
         return  # without a PID namespace the kill reaches the launcher, and with it the marks
     left = iter([line[len("ATTACK: "):] for line in sandbox_results[0].stderr.splitlines() if line.startswith("ATTACK: ")])
     assert all(any(re.match(m, x) for x in left) for m in marks), (name, sandbox_results[0].stderr[-2000:])
-    assert rep.errors == errors, (name, rep.errors)
+    assert rep.errors in (errors, ALSO.get(name)), (name, rep.errors)
     if name == "print look-alike result lines":  # printed where the grader does not look
         assert sandbox_results[0].stdout.startswith("@@marft-0123@@" + '{"test": 0, "passed": true')
 
