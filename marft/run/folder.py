@@ -292,4 +292,3 @@ def machine_change(before: dict | None, now: dict) -> str | None:
     return (f"resumed on another kind of machine than iteration {before.get('from_iteration', 0)}'s attempt "
             f"({', '.join(changed)}): the run goes on, but will not repeat one made without a break; "
             "machine.json records both")
-
