@@ -41,6 +41,20 @@ def test_the_cuda_graph_gives_the_eager_static_and_dynamic_replies(on_gpu):
         assert torch.allclose(outs["graph"].logprobs, outs[name].logprobs, atol=1e-4, rtol=0), name
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU (cuda:1)")
+def test_the_cuda_graph_on_a_second_gpu_gives_the_eager_replies(tiny_model_dir):
+    """A model on cuda:1, not the current device: the graph is captured there (an empty graph made
+    on cuda:0 would replay the first step's logits at every step)."""
+    model, tok = load_base(str(tiny_model_dir), "float32", "cuda:1")
+    stops = list(range(0, len(tok), 5))
+    sampling = Sampling(temperature=1.0, max_new_tokens=14)
+    graph, eager = (generate(model, tok, CHATS, sampling, stops, torch.Generator().manual_seed(0), **flags)
+                    for flags in ({}, {"graphs": False}))
+    assert graph.response_ids.device == torch.device("cuda:1")
+    assert torch.equal(graph.response_ids, eager.response_ids)
+    assert torch.allclose(graph.logprobs, eager.logprobs, atol=1e-4, rtol=0)
+
+
 def test_the_compiled_step_in_the_cuda_graph_gives_the_eager_replies(on_gpu):
     """rollout.compile on a GPU: the step compiled by inductor (Triton kernels), captured in the CUDA
     graph, gives the eager static loop's tokens in fp32, and a batch of another size needs no new
@@ -107,6 +121,20 @@ def test_asynchronous_training_on_the_gpu(tiny_overrides, tmp_path, mode):
     assert ages == [0, 1, 1] if mode == "pipelined" else max(ages) <= 1
     if mode == "pipelined":
         assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("algorithm", ["marft", "marft-token", "ippo"])
+def test_the_learning_critic_on_the_gpu(tiny_overrides, tmp_path, algorithm):
+    """train.critic: lora on a GPU: the critic's adapter there, its value heads on the CPU (the
+    features reach them with their gradient); the run trains, fits its critic and checkpoints."""
+    run = tmp_path / algorithm
+    args = [o for o in tiny_overrides if not o.startswith(("model.device", "output_dir"))]
+    assert main(["train", "configs/duo_arithmetic.yaml", *args, "model.device=cuda", "train.iterations=1",
+                 "train.critic=lora", f"train.algorithm={algorithm}", "train.save_every=1", f"output_dir={run}"]) == 0
+    line = _metrics(run)[-1]
+    losses = [v for k, v in line.items() if k.startswith("value_loss")]
+    assert losses and all(v == v and v >= 0 for v in losses)
+    assert (latest_checkpoint(run) / "adapters" / "critic").is_dir()
 
 
 def test_the_mfu_rate_on_a_gpu_is_a_large_product(on_gpu):

@@ -134,7 +134,8 @@ def machine_rate(model) -> float:
     if override:
         return override
     p = next(model.parameters())
-    return matmul_rate(p.dtype, str(p.device), rate_size(p.device), threads=torch.get_num_threads())
+    threads = torch.get_num_threads() if p.device.type == "cpu" else 0  # a GPU's rate does not depend on them
+    return matmul_rate(p.dtype, str(p.device), rate_size(p.device), threads=threads)
 
 
 def rate_label(model) -> str:

@@ -377,14 +377,22 @@ class _StaticDecoder:
         return self.logits
 
     def _capture(self) -> None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._forward()  # warm-up: lazily built state is made outside the capture
-        torch.cuda.current_stream().wait_stream(side)
+        # on the model's GPU (streams are made on the current device, cuda:0 unless told: a model on
+        # cuda:1 would run outside the capture and leave the graph empty); thread_local: asynchronous
+        # training's learner thread works on the GPU during the capture, which the default "global"
+        # mode would forbid it
+        with torch.cuda.device(self.mask.device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._forward()  # warm-up: lazily built state is made outside the capture
+            torch.cuda.current_stream().wait_stream(side)
+            self._record()
+
+    def _record(self) -> None:
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self.logits = self._forward()
         except RuntimeError as e:  # a model whose step cannot be captured: run it eagerly
             warn_once(f"marft: the decode step could not be captured as a CUDA graph ({str(e).splitlines()[0][:160]}); "

@@ -62,9 +62,10 @@ def _view(models, agent: str, adapter: str | None):
 
 
 def _out(h: torch.Tensor, grad: bool) -> torch.Tensor:
-    """Features in float32: on the CPU (cached for the iteration), or where they are, with their
-    graph, for a learning critic's update (``grad``)."""
-    return h.float() if grad else h.float().cpu()
+    """Features in float32 on the CPU, where the value heads are: cached for the iteration, or with
+    their graph for a learning critic's update (``grad``; the copy to the CPU passes the gradient
+    back to the critic's adapter on the model's device)."""
+    return h.float().cpu()
 
 
 def state_features(models, agent: str, texts: list[str], batch: int | None = None, max_tokens: int = 2048, work=None,

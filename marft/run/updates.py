@@ -166,7 +166,7 @@ class CriticLearner:
         got: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # (turn, row) -> value, old, return
         for i, rs in by_turn.items():
             turn = out.turns[i]
-            v = head(self.algorithm.critic_features(self.models, turn, rs, adapter=self.adapter, grad=True)).cpu()
+            v = head(self.algorithm.critic_features(self.models, turn, rs, adapter=self.adapter, grad=True))
             for k, r in enumerate(rs):
                 if self.token_level:  # the reply's tokens
                     m = turn.response_mask[r]
