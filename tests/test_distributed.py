@@ -119,6 +119,36 @@ def test_cluster_section_is_checked(override, message):
         load_config("configs/duo_arithmetic.yaml", [override])
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["model.device=cuda", "cluster.worker_gpus=1"], r"model.device is 'cuda' but cluster.learner_gpus is 0"),
+    (["model.device=cuda:1", "cluster.learner_gpus=1"], r"model.device is 'cuda:1' but cluster.worker_gpus is 0"),
+    (["cluster.learners_per_adapter=2", "train.fast=true", "cluster.learner_gpus=0.5"], "two ranks of an adapter on one GPU"),
+])
+def test_a_cluster_on_gpus_is_checked(overrides, message):
+    """Checked when the config loads, on any machine: actors see only the GPUs Ray gives them, and
+    NCCL cannot join two ranks on one GPU."""
+    with pytest.raises(UserError, match=message):
+        load_config("configs/duo_arithmetic.yaml", ["cluster.rollout_workers=2", *overrides])
+
+
+def test_what_crosses_to_another_process_is_on_the_cpu():
+    """An optimiser's state and adapter weights, nested as torch makes them, come back with every
+    tensor on the CPU, detached, and everything else as it was."""
+    from marft.distributed.actors import on_cpu
+
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.AdamW([w], lr=0.1)
+    w.sum().backward()
+    opt.step()
+    state = on_cpu(opt.state_dict())
+    assert state["param_groups"] == opt.state_dict()["param_groups"]
+    moved = state["state"][0]
+    assert set(moved) == {"step", "exp_avg", "exp_avg_sq"}
+    assert all(t.device.type == "cpu" and not t.requires_grad for t in moved.values())
+    assert torch.equal(moved["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    assert on_cpu({"a": [w, (w, 3)], "b": "x"})["a"][1][1] == 3
+
+
 # ---------------------------------------------------------------------------- on Ray
 @pytest.mark.ray
 def test_one_worker_repeats_the_in_process_run_and_resumes(ray_cluster, vowel_overrides, tmp_path):

@@ -20,6 +20,18 @@ import torch
 from ..run.learner import AdapterLearner, metric_prefix
 
 
+def on_cpu(obj):
+    """``obj`` (tensors in dicts, lists and tuples) with every tensor on the CPU: what crosses to
+    another Ray process, since a CUDA tensor unpickles only where a GPU is (and then on GPU 0)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: on_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(on_cpu(v) for v in obj)
+    return obj
+
+
 def _build(cfg, threads: int, with_env: bool, cwd: str = ""):
     """(cfg, team, models, environment factory or None) in this process, with ``threads`` torch
     threads; relative paths in the config (model, data, environment files) are read from ``cwd``,
@@ -31,6 +43,8 @@ def _build(cfg, threads: int, with_env: bool, cwd: str = ""):
     from ..team import build_team
 
     cfg = dataclasses.replace(cfg, threads=threads)
+    if cfg.model.device.startswith("cuda"):  # the GPU Ray gave this actor, numbered 0 here whatever the driver's
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, device="cuda"))
     if with_env:
         return (cfg, *prepare(cfg))
     quiet_libraries()  # what prepare does, without building an environment a learner never uses
@@ -139,7 +153,7 @@ class Learner:
         return result
 
     def optimizer_state(self) -> dict:
-        return self.learner.optimizer.state_dict()
+        return on_cpu(self.learner.optimizer.state_dict())
 
     def digest(self) -> str:
         return adapter_digest(self.models, self.adapter)
@@ -147,4 +161,4 @@ class Learner:
     def gradients(self, job: dict) -> list[torch.Tensor]:
         """The summed gradient of the first minibatch of ``job`` (no step taken): for the
         data-parallel check that world learners give what one gives."""
-        return self.learner.first_gradients(job["batch"], job["iteration"])
+        return on_cpu(self.learner.first_gradients(job["batch"], job["iteration"]))

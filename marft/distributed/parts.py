@@ -35,7 +35,7 @@ from ..run.asynchronous import adapter_snapshot, keep_version, playable, stalene
 from ..run.episodes import episode_resets, iteration_seed
 from ..run.learner import PolicyBatch, UpdateStats
 from ..turns import Rollout, merge_rollouts
-from .actors import Learner, RolloutWorker
+from .actors import Learner, RolloutWorker, on_cpu
 
 
 def _ray():
@@ -259,7 +259,7 @@ class RayEpisodes:
     def _send_version(self, version: int, workers) -> None:
         """Queue ``version``'s adapters on ``workers`` (one object in Ray's store)."""
         ray = _ray()
-        states = self.versions[version]
+        states = on_cpu(self.versions[version])
         self.cluster.bytes["weights"] += len(pickle.dumps(states)) * len(workers)
         ref = ray.put(states)
         for k in workers:
@@ -296,6 +296,7 @@ class RayEpisodes:
 
     def _broadcast(self, states: dict) -> None:
         ray = _ray()
+        states = on_cpu(states)
         self.version += 1
         self.cluster.bytes["weights"] += len(pickle.dumps(states)) * len(self.workers)
         ref = ray.put(states)
@@ -321,7 +322,7 @@ class RayEpisodes:
             self.cluster.log(f"warning: rollout worker {k} died {when} at iteration {it}; replaced, its episodes replayed")
             ray.kill(self.workers[k], no_restart=True)
             self.workers[k] = self._new_worker()
-            weights = states if states is not None else {a: self.models.adapter_state(a) for a in self.cluster.team.adapters}
+            weights = on_cpu(states if states is not None else {a: self.models.adapter_state(a) for a in self.cluster.team.adapters})
             try:
                 ray.get(self.workers[k].set_adapters.remote(self.version, weights))
                 return
@@ -402,8 +403,8 @@ class RayPolicy:
         ray = _ray()
         refs = []
         for adapter, ranks in self.learners.items():
-            state = ray.put(self.models.adapter_state(adapter))
-            opt_state = ray.put(optimizer_states[adapter]) if optimizer_states is not None else None
+            state = ray.put(on_cpu(self.models.adapter_state(adapter)))
+            opt_state = ray.put(on_cpu(optimizer_states[adapter])) if optimizer_states is not None else None
             refs += [r.load.remote(state, opt_state) for r in ranks]
         self.cluster.get(refs, "a learner")
 

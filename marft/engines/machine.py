@@ -48,7 +48,7 @@ def describe_machine(model=None) -> dict:
         "cpu_cores": os.cpu_count(),
         "cpu_bf16": bf16_flags(),
         "torch_threads": torch.get_num_threads(),
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "gpu": torch.cuda.get_device_name(_gpu_of(model)) if torch.cuda.is_available() else None,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
@@ -56,6 +56,15 @@ def describe_machine(model=None) -> dict:
         p = next(model.parameters())
         out.update(device=str(p.device), dtype=str(p.dtype).replace("torch.", ""))
     return out
+
+
+def _gpu_of(model) -> int:
+    """The index of the GPU ``model`` is on (``cuda:1``: 1), else the current one."""
+    import torch
+
+    device = next(model.parameters()).device if model is not None else None
+    return device.index if device is not None and device.type == "cuda" and device.index is not None \
+        else torch.cuda.current_device()
 
 
 def memory_stats(device=None) -> dict[str, float]:

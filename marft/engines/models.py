@@ -46,8 +46,9 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto``: bf16 on GPUs that support it and on CPUs with AMX or AVX512-BF16, else fp32."""
     if name != "auto":
         return getattr(torch, name)
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "cuda":  # bf16 in hardware (compute capability 8.0 on), not emulated, on this GPU
+        with torch.cuda.device(device):
+            return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
     from .machine import bf16_flags
 
     return torch.bfloat16 if bf16_flags() else torch.float32

@@ -877,6 +877,13 @@ def _validate_cluster(cfg: RunConfig, team) -> None:
     if c.rollout_workers:
         _check(c.learners_per_adapter == 1 or cfg.train.fast,
                "cluster.learners_per_adapter > 1 needs train.fast: true (its micro-batches are what the learners split)")
+        if cfg.model.device.startswith("cuda"):  # an actor sees only the GPUs Ray gives it
+            for name in ("worker_gpus", "learner_gpus"):
+                _check(getattr(c, name) > 0, f"model.device is {cfg.model.device!r} but cluster.{name} is 0, so Ray gives "
+                                             f"those actors no GPU; set cluster.{name} (e.g. 1) or model.device: auto")
+        _check(c.learners_per_adapter == 1 or not 0 < c.learner_gpus < 1,
+               f"cluster.learners_per_adapter > 1 with cluster.learner_gpus {c.learner_gpus} may put two ranks of an "
+               "adapter on one GPU, which NCCL refuses; give each learner a whole GPU (cluster.learner_gpus: 1)")
 
 
 def to_dict(cfg: Any) -> dict:
