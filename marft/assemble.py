@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .engines import Engine, HFEngine, make_engine
+from .engines.models import hidden_size
 from .maths.algorithms import ALGORITHMS
 from .run.assemble import prepare
 from .run.config import RunConfig
@@ -31,7 +32,7 @@ def build_trainer(cfg: RunConfig, team, models, make_env, log=print, engine: Eng
     algorithm = ALGORITHMS[cfg.train.algorithm]
     first = next(iter(models.bases.values()))
     torch.manual_seed(cfg.seed)
-    heads = algorithm.make_heads(team.names, first.config.hidden_size)
+    heads = algorithm.make_heads(team.names, hidden_size(first))
     # train.critic lora: the critic's own adapter, made after the heads (which are then those of a frozen critic)
     adapter = models.add_critic_adapter() if cfg.train.critic == "lora" and heads else None
     critic = CriticLearner(cfg, heads, algorithm.token_level, log=log, models=models, adapter=adapter, algorithm=algorithm)

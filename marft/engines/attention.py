@@ -70,6 +70,15 @@ def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, *
     return o.view(b, h, Lq, d).transpose(1, 2).contiguous(), None
 
 
+def replaces(model) -> bool:
+    """Whether this attention computes what ``model``'s own does, so that marft may switch to it:
+    not where the model caps its attention scores (Gemma 2's ``attn_logit_softcapping``) or adds
+    sink logits (gpt-oss), which it does not do."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cfg = getattr(base.config, "text_config", None) or base.config
+    return getattr(cfg, "attn_logit_softcapping", None) is None and getattr(cfg, "model_type", "") != "gpt_oss"
+
+
 def register() -> str:
     """Register ``marft_cpu`` with transformers (attention and mask); returns the name."""
     from transformers import AttentionInterface

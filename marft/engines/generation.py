@@ -96,8 +96,11 @@ def encode_chats(tok, chats: list[list[dict]], device) -> tuple[torch.Tensor, to
 def render_chat(tok, chat: list[dict]) -> str:
     """A chat (a list of messages) as the prompt text the tokenizer's chat template makes of it,
     ready for the assistant's reply."""
-    # a served request's tools, for a template that shows them itself (marft.serving.tool_calls.Chat)
-    tools = {"tools": chat.tools} if getattr(chat, "tools", None) else {}
+    # model.chat_template_kwargs (load_base), and a served request's tools, for a template that shows
+    # them itself (marft.serving.tool_calls.Chat)
+    tools = dict(getattr(tok, "marft_template_kwargs", None) or {})
+    if getattr(chat, "tools", None):
+        tools["tools"] = chat.tools
     try:
         return tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, **tools)
     except Exception:  # templates that reject a system role: fold it into the first user turn
@@ -269,7 +272,7 @@ def _decode_attention(model, on: bool):
     token), when ``on`` and the model can switch; its own attention afterwards."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     before = _attention_name(model)
-    switch = on and before in ("sdpa", "eager") and hasattr(base, "set_attn_implementation")
+    switch = on and before in ("sdpa", "eager") and hasattr(base, "set_attn_implementation") and grouped_attention.replaces(model)
     if switch:
         grouped_attention.register()
         base.set_attn_implementation(grouped_attention.NAME)

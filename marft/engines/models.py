@@ -54,6 +54,19 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if bf16_flags() else torch.float32
 
 
+def _remote_code(name: str, e: Exception) -> None:
+    """A model whose repository ships code of its own, not allowed to run: one line saying how."""
+    if "trust_remote_code" in str(e):
+        raise UserError(f"model {name!r} runs code from its own repository; if you trust it, set "
+                        "model.trust_remote_code: true") from None
+
+
+def hidden_size(model) -> int:
+    """The width of the model's last hidden state (a multimodal model's from its ``text_config``)."""
+    cfg = getattr(model.config, "text_config", None) or model.config
+    return cfg.hidden_size
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -213,25 +226,33 @@ def _convert_gguf(gguf: Path, target: Path) -> Path:
     return _fill_then_rename(tmp, target, convert)
 
 
-def load_base(name: str, dtype: str = "auto", device: str = "auto", cache_dir: str = ""):
-    """Load (model, tokenizer) in eval mode; the tokenizer pads on the left and has a chat template."""
+def load_base(name: str, dtype: str = "auto", device: str = "auto", cache_dir: str = "",
+              chat_template_kwargs: dict | None = None, trust_remote_code: bool = False):
+    """Load (model, tokenizer) in eval mode; the tokenizer pads on the left and has a chat template,
+    rendered with ``chat_template_kwargs`` (:func:`marft.engines.generation.render_chat`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = resolve_model(name, cache_dir)
     dev = pick_device(device)
+    remote = {"trust_remote_code": trust_remote_code}  # False said outright: an error, not a question on stdin
     try:
-        tok = AutoTokenizer.from_pretrained(source)
+        tok = AutoTokenizer.from_pretrained(source, **remote)
     except OSError as e:
         raise UserError(f"cannot load the tokenizer of model {name!r}: {str(e).splitlines()[0]}") from None
+    except ValueError as e:
+        _remote_code(name, e)
+        raise
     if not tok.chat_template:
         raise UserError(f"model {name!r} has a tokenizer without a chat template; use an instruct/chat model or add a chat_template to its tokenizer_config.json")
     tok.padding_side = "left"
     tok.truncation_side = "left"  # a critic reading a long transcript keeps its end
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    tok.marft_template_kwargs = dict(chat_template_kwargs or {})
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=pick_dtype(dtype, dev))
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=pick_dtype(dtype, dev), **remote)
     except ValueError as e:
+        _remote_code(name, e)
         raise UserError(f"model {name!r} is not a causal language model transformers can load ({str(e).splitlines()[0]}); "
                         "give a decoder-only chat model such as Qwen/Qwen2.5-0.5B-Instruct") from None
     except OSError as e:
@@ -314,7 +335,8 @@ class TeamModel:
             if prev != base:
                 raise UserError(f"config: adapter {agent.adapter!r} is used by agents on different base models ({prev}, {base}); give them different adapters")
             if base not in self.bases:
-                model, tok = load_base(base, model_cfg.dtype, model_cfg.device, model_cfg.cache_dir)
+                model, tok = load_base(base, model_cfg.dtype, model_cfg.device, model_cfg.cache_dir,
+                                       model_cfg.chat_template_kwargs, model_cfg.trust_remote_code)
                 try:
                     peft = get_peft_model(model, copy.deepcopy(self.lora_config), adapter_name=agent.adapter)
                 except ValueError as e:

@@ -133,7 +133,7 @@ def _attention_for_learning(model, device):
     bf16 and lighter than transformers' eager attention. Elsewhere the model's own choice."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     before = base.config._attn_implementation
-    want = CPU_ATTENTION if device.type == "cpu" else None
+    want = CPU_ATTENTION if device.type == "cpu" and cpu_attention.replaces(model) else None
     switch = bool(want) and before != want and hasattr(base, "set_attn_implementation")
     if switch:
         if want == cpu_attention.NAME:
@@ -188,9 +188,26 @@ def _plain_head(model) -> bool:
     """Whether the output projection is a bias-free linear map with no logit scaling, so the fused
     log-probability pass (:mod:`marft.engines.logits`) computes exactly what the model's head does."""
     head = model.get_output_embeddings()
-    cfg = model.config
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cfg = getattr(base.config, "text_config", None) or base.config
     scaled = any(getattr(cfg, k, None) not in (None, 1.0, 0.0) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
     return isinstance(head, torch.nn.Linear) and head.bias is None and not scaled
+
+
+def scaled_logits(model, z: torch.Tensor) -> torch.Tensor:
+    """The output head's ``z`` as the model's forward returns its logits: times Cohere's
+    ``logit_scale``, divided by Granite's ``logits_scaling``, soft-capped by Gemma 2's
+    ``final_logit_softcapping`` (``cap * tanh(z / cap)``), as their forwards apply them."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cfg = getattr(base.config, "text_config", None) or base.config
+    scale, div, cap = (getattr(cfg, k, None) for k in ("logit_scale", "logits_scaling", "final_logit_softcapping"))
+    if scale not in (None, 1.0, 0.0):
+        z = z * scale
+    if div not in (None, 1.0, 0.0):
+        z = z / div
+    if cap not in (None, 0.0):
+        z = torch.tanh(z / cap) * cap
+    return z
 
 
 def response_logprobs(model, rows: list[Row], temperature: float, with_entropy: bool, share_prefix: bool = True,
@@ -218,7 +235,7 @@ def response_logprobs(model, rows: list[Row], temperature: float, with_entropy: 
         lp, ent = token_logprobs_and_entropy(h, model.get_output_embeddings().weight, targets, T, chunk=_logit_chunk(device),
                                               with_entropy=with_entropy)
     else:  # a head with bias or logit scaling: the model's own head, on the needed positions only
-        z = model.get_output_embeddings()(h).float() / T
+        z = scaled_logits(model, model.get_output_embeddings()(h).float()) / T
         logp = torch.log_softmax(z, -1)
         lp = logp.gather(-1, targets[:, None]).squeeze(-1)
         ent = -(logp.exp() * logp).sum(-1) if with_entropy else None

@@ -94,7 +94,8 @@ class VLLMEngine(Engine):
             kwargs = dict(model=resolve_model(base, model_cfg.cache_dir), dtype=dtype, seed=seed,
                           enable_lora=True, max_lora_rank=model_cfg.lora.r, max_loras=len(adapters),
                           max_model_len=settings.max_model_len, enforce_eager=settings.enforce_eager,
-                          logprobs_mode="processed_logprobs", enable_prefix_caching=True)
+                          logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+                          trust_remote_code=model_cfg.trust_remote_code)
             if self.gpu:
                 kwargs.update(gpu_memory_utilization=settings.gpu_memory_utilization, enable_sleep_mode=settings.sleep)
             # CPU: vLLM 0.32 cannot roll back a CPU torch.Generator ("CPU Generator does not use

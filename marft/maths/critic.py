@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..engines.models import hidden_size
+
 
 class ValueHead(nn.Module):
     """hidden -> 1024 -> 512 -> 1 with ReLU (the reference critic head), in float32."""
@@ -82,7 +84,7 @@ def state_features(models, agent: str, texts: list[str], batch: int | None = Non
                       max_length=max_tokens, add_special_tokens=False)
             h = _last_hidden(model, enc["input_ids"].to(device), enc["attention_mask"].to(device).bool(), work)
             feats.append(_out(h[:, -1], grad))  # left padding: the last position is the last token
-        return torch.cat(feats) if feats else torch.zeros(0, model.config.hidden_size)
+        return torch.cat(feats) if feats else torch.zeros(0, hidden_size(model))
 
 
 def prompt_features(models, agent: str, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,

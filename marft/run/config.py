@@ -62,6 +62,13 @@ class ModelConfig:
     longer team from a shorter one's roles."""
     cache_dir: str = ""
     """Where converted models are kept; empty: ``$MARFT_CACHE`` or ``~/.cache/marft``."""
+    chat_template_kwargs: dict = field(default_factory=dict)
+    """Variables for the chat template, in every prompt marft renders (rollout, evaluation, the
+    endpoint), e.g. ``{enable_thinking: false}`` for Qwen3's hybrid models, whose replies otherwise
+    open with a thinking block."""
+    trust_remote_code: bool = False
+    """Run the code a model's repository ships (models transformers does not include itself); only
+    for a source you trust."""
 
 
 @dataclass
