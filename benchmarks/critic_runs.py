@@ -122,7 +122,8 @@ def main(argv=None) -> int:
         held = t_interval([a[s]["final"] - b[s]["final"] for s in seeds], -1, 1)
         area = t_interval([a[s]["area"] - b[s]["area"] for s in seeds], -1, 1)
         parted = [n for n, iv in (("held-out", held), ("training", area)) if iv and (iv[1] > 0 or iv[2] < 0)]
-        lines.append(f"| {name} | {cell} | {len(seeds)} | {fmt(held, pct=True)} | {fmt(area, pct=True)} | {', '.join(parted) or 'no'} |")
+        verdict = ", ".join(parted) or ("no" if len(seeds) >= 2 else "n/a (one seed)")
+        lines.append(f"| {name} | {cell} | {len(seeds)} | {fmt(held, pct=True)} | {fmt(area, pct=True)} | {verdict} |")
     if notes:
         lines += ["", "Runs made twice:", ""] + [f"- {n}" for n in notes]
     text = "\n".join(lines) + "\n"
