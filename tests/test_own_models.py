@@ -80,3 +80,24 @@ def test_soft_capped_attention_and_logits_are_the_models_own():
             assert torch.allclose(lp[b, :row.n_resp], want, atol=1e-5), (lp[b, :row.n_resp] - want).abs().max()
             want_ent = -(logp.exp() * logp).sum(-1)
             assert torch.allclose(ent[b, :row.n_resp], want_ent, atol=1e-5)
+
+
+class _BosTokenizer:
+    """A tokenizer that puts a BOS token before plain text, as Llama 3's and Gemma's do."""
+    bos_token, bos_token_id = "<s>", 1
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": ([1] if add_special_tokens else []) + [ord(c) for c in text]}
+
+
+def test_the_critic_reads_a_transcript_after_the_tokenizers_opening(tiny_model_dir):
+    """Llama 3 and Gemma saw every input after their BOS token: the critic's transcript (not a
+    chat template's rendering) gets it too, once; tokenizers that add none (SmolLM2, Qwen, the tiny
+    model) read the transcript as it is, so their critics' features are unchanged."""
+    from marft.maths.critic import _opened, opening
+
+    tok = _BosTokenizer()
+    assert opening(tok) == "<s>"
+    assert _opened(tok, ["speaker: 3", "<s>solver: 7"]) == ["<s>speaker: 3", "<s>solver: 7"]
+    _, tiny = load_base(str(tiny_model_dir), "float32", "cpu")
+    assert opening(tiny) == "" and _opened(tiny, ["speaker: 3"]) == ["speaker: 3"]

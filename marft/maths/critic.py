@@ -70,14 +70,34 @@ def _out(h: torch.Tensor, grad: bool) -> torch.Tensor:
     return h.float().cpu()
 
 
+def opening(tok) -> str:
+    """The text a tokenizer puts before plain text, its BOS token (Llama 3's ``<|begin_of_text|>``,
+    Gemma's ``<bos>``), which every input of such a model began with in its training; "" where
+    the tokenizer adds none (SmolLM2, Qwen). The critic reads a transcript, not a chat template's
+    rendering, so it adds the opening itself."""
+    found = getattr(tok, "marft_opening", None)
+    if found is None:
+        ids = tok("a", add_special_tokens=True)["input_ids"] if tok.bos_token_id is not None else []
+        found = tok.bos_token if ids and ids[0] == tok.bos_token_id else ""
+        tok.marft_opening = found
+    return found
+
+
+def _opened(tok, texts: list[str]) -> list[str]:
+    start = opening(tok)
+    return [t if t.startswith(start) else start + t for t in texts] if start else texts
+
+
 def state_features(models, agent: str, texts: list[str], batch: int | None = None, max_tokens: int = 2048, work=None,
                    adapter: str | None = None, grad: bool = False) -> torch.Tensor:
     """[b, H] features of global-state texts: the base model's last hidden state at the last token
     (adapters disabled, or the critic's ``adapter`` acting; with gradients when ``grad``), ``batch``
-    texts a pass (default 16 on a CPU, 64 on a GPU). Texts are left-truncated to ``max_tokens``."""
+    texts a pass (default 16 on a CPU, 64 on a GPU), after the tokenizer's :func:`opening`. Texts are
+    left-truncated to ``max_tokens``."""
     with torch.set_grad_enabled(grad), _view(models, agent, adapter) as (model, tok):
         device = next(model.parameters()).device
         batch = _batch(batch, device, 16)
+        texts = _opened(tok, texts)
         feats = []
         for i in range(0, len(texts), batch):
             enc = tok(texts[i:i + batch], return_tensors="pt", padding=True, truncation=True,
@@ -102,10 +122,12 @@ def token_features(models, agent: str, texts: list[str], response_ids: torch.Ten
                    batch: int | None = None, max_tokens: int = 2048, work=None, adapter: str | None = None,
                    grad: bool = False) -> torch.Tensor:
     """[b, R, H] features before each generated token: the state text followed by the reply so
-    far. Position j is the hidden state after the state and reply tokens < j."""
+    far (after the tokenizer's :func:`opening`). Position j is the hidden state after the state and
+    reply tokens < j."""
     with torch.set_grad_enabled(grad), _view(models, agent, adapter) as (model, tok):
         device = next(model.parameters()).device
         batch = _batch(batch, device, 8)
+        texts = _opened(tok, texts)
         R = response_ids.shape[1]
         feats = []
         for i in range(0, len(texts), batch):
