@@ -101,3 +101,19 @@ def test_the_critic_reads_a_transcript_after_the_tokenizers_opening(tiny_model_d
     assert _opened(tok, ["speaker: 3", "<s>solver: 7"]) == ["<s>speaker: 3", "<s>solver: 7"]
     _, tiny = load_base(str(tiny_model_dir), "float32", "cpu")
     assert opening(tiny) == "" and _opened(tiny, ["speaker: 3"]) == ["speaker: 3"]
+
+
+def test_the_templates_turn_end_stops_a_reply(tiny_model_dir):
+    """A model whose eos is one token and whose chat template closes a turn with another (a base
+    model given ChatML): both end a reply, so replies do not all run to max_new_tokens."""
+    from marft.engines.models import stop_token_ids
+
+    model, tok = load_base(str(tiny_model_dir), "float32", "cpu")
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert stop_token_ids(model, tok) == [end]  # the tiny model's eos is its template's turn end
+    tok.eos_token = "<|endoftext|>"
+    model.generation_config.eos_token_id = tok.eos_token_id
+    assert tok.eos_token_id != end
+    assert stop_token_ids(model, tok) == sorted({tok.eos_token_id, end})
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # no turn end shown
+    assert stop_token_ids(model, tok) == [tok.eos_token_id]

@@ -304,12 +304,32 @@ def _contiguous_input(module, args):
 
 
 def stop_token_ids(model, tok) -> list[int]:
-    """Tokens that end a reply: the generation config's end-of-turn ids and the tokenizer's eos."""
+    """Tokens that end a reply: the generation config's end-of-turn ids, the tokenizer's eos, and
+    the special token the chat template closes an assistant's turn with (a template given to a
+    model whose eos is another token, e.g. ChatML's ``<|im_end|>`` on a base model)."""
     ids = model.generation_config.eos_token_id
     ids = [ids] if isinstance(ids, int) else list(ids or [])
     if tok.eos_token_id is not None:
         ids.append(tok.eos_token_id)
+    closing = _turn_end(tok)
+    if closing is not None:
+        ids.append(closing)
     return sorted(set(ids))
+
+
+def _turn_end(tok) -> int | None:
+    """The first token after an assistant message's text in the chat template's rendering, if it is
+    a special token; None if the template shows none (or cannot render the probe)."""
+    mark = "MARFT_REPLY_END"
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": mark}]
+    try:
+        text = tok.apply_chat_template(chat, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template with rules of its own: no extra stop token
+        return None
+    after = text.split(mark, 1)[1] if mark in text else ""
+    ids = tok(after, add_special_tokens=False)["input_ids"] if after.strip() else []
+    special = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}
+    return ids[0] if ids and ids[0] in special else None
 
 
 class TeamModel:
