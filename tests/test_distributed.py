@@ -147,6 +147,10 @@ def test_what_crosses_to_another_process_is_on_the_cpu():
     assert all(t.device.type == "cpu" and not t.requires_grad for t in moved.values())
     assert torch.equal(moved["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
     assert on_cpu({"a": [w, (w, 3)], "b": "x"})["a"][1][1] == 3
+    from collections import namedtuple
+    Pair = namedtuple("Pair", "weight n")
+    moved = on_cpu(Pair(w, 2))
+    assert type(moved) is Pair and moved.n == 2 and not moved.weight.requires_grad
 
 
 # ---------------------------------------------------------------------------- on Ray

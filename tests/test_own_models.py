@@ -82,25 +82,31 @@ def test_soft_capped_attention_and_logits_are_the_models_own():
             assert torch.allclose(ent[b, :row.n_resp], want_ent, atol=1e-5)
 
 
-class _BosTokenizer:
-    """A tokenizer that puts a BOS token before plain text, as Llama 3's and Gemma's do."""
-    bos_token, bos_token_id = "<s>", 1
-
-    def __call__(self, text, add_special_tokens=True):
-        return {"input_ids": ([1] if add_special_tokens else []) + [ord(c) for c in text]}
-
-
 def test_the_critic_reads_a_transcript_after_the_tokenizers_opening(tiny_model_dir):
     """Llama 3 and Gemma saw every input after their BOS token: the critic's transcript (not a
-    chat template's rendering) gets it too, once; tokenizers that add none (SmolLM2, Qwen, the tiny
-    model) read the transcript as it is, so their critics' features are unchanged."""
-    from marft.maths.critic import _opened, opening
+    chat template's rendering) gets it too, once, and keeps it when a long one is cut to its end;
+    tokenizers that add none (SmolLM2, Qwen, the tiny model) encode the transcript as before."""
+    from tokenizers.processors import TemplateProcessing
+    from marft.maths.critic import encode_state, opening
 
-    tok = _BosTokenizer()
-    assert opening(tok) == "<s>"
-    assert _opened(tok, ["speaker: 3", "<s>solver: 7"]) == ["<s>speaker: 3", "<s>solver: 7"]
-    _, tiny = load_base(str(tiny_model_dir), "float32", "cpu")
-    assert opening(tiny) == "" and _opened(tiny, ["speaker: 3"]) == ["speaker: 3"]
+    _, tok = load_base(str(tiny_model_dir), "float32", "cpu")
+    texts = ["3", "speaker: 4\nsolver: the total is 7 because 3 + 4 = 7"]
+    plain = tok(texts, return_tensors="pt", padding=True, truncation=True, max_length=8, add_special_tokens=False)
+    got = encode_state(tok, texts, 8)
+    assert opening(tok) == ""
+    assert torch.equal(got["input_ids"], plain["input_ids"]) and torch.equal(got["attention_mask"], plain["attention_mask"])
+
+    _, tok = load_base(str(tiny_model_dir), "float32", "cpu")  # now a tokenizer that opens with BOS
+    tok.bos_token = "<|im_start|>"
+    bos = tok.bos_token_id
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single=f"{tok.bos_token} $A", special_tokens=[(tok.bos_token, bos)])
+    assert opening(tok) == "<|im_start|>"
+    got = encode_state(tok, [texts[0], "<|im_start|>" + texts[1]], 8)
+    for row, mask, text in zip(got["input_ids"], got["attention_mask"], texts):
+        ids = row[mask.bool()].tolist()
+        assert ids[0] == bos and bos not in ids[1:] and len(ids) <= 8  # once, first, within the limit
+        assert ids[1:] == tok(text, add_special_tokens=False)["input_ids"][-(len(ids) - 1):]  # the text's end
+    assert got["attention_mask"][0].tolist()[0] == 0  # left padding
 
 
 def test_the_templates_turn_end_stops_a_reply(tiny_model_dir):
@@ -115,5 +121,13 @@ def test_the_templates_turn_end_stops_a_reply(tiny_model_dir):
     model.generation_config.eos_token_id = tok.eos_token_id
     assert tok.eos_token_id != end
     assert stop_token_ids(model, tok) == sorted({tok.eos_token_id, end})
+    model, tok = load_base(str(tiny_model_dir), "float32", "cpu")
+    tok.eos_token = "<|endoftext|>"
+    model.generation_config.eos_token_id = tok.eos_token_id
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # no turn end shown
     assert stop_token_ids(model, tok) == [tok.eos_token_id]
+
+
+def test_template_variables_that_marft_sets_itself_are_refused():
+    with pytest.raises(UserError, match=r"model.chat_template_kwargs may not set add_generation_prompt, tools: marft sets"):
+        load_config("configs/duo_arithmetic.yaml", ["model.chat_template_kwargs={tools: [], add_generation_prompt: false}"])

@@ -22,11 +22,13 @@ from ..run.learner import AdapterLearner, metric_prefix
 
 def on_cpu(obj):
     """``obj`` (tensors in dicts, lists and tuples) with every tensor on the CPU: what crosses to
-    another Ray process, since a CUDA tensor unpickles only where a GPU is (and then on GPU 0)."""
+    another Ray process, since a CUDA tensor unpickles only where its GPU index exists."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu()
     if isinstance(obj, dict):
         return {k: on_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple
+        return type(obj)(*(on_cpu(v) for v in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(on_cpu(v) for v in obj)
     return obj

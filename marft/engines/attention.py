@@ -21,6 +21,9 @@ the eager implementation's additive mask, always materialised).
 """
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 
 NAME = "marft_cpu"
@@ -60,6 +63,10 @@ def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, *
     ``attention_mask`` additive [b, 1, Lq, Lk] or None; returns ([b, Lq, h, d], None)."""
     if dropout and module.training:
         raise ValueError("marft_cpu attention has no dropout; use the model's own attention")
+    extra = [name for name in EXTRAS if kwargs.get(name) is not None]
+    if extra:  # never computed silently without them (replaces() keeps such models on their own)
+        raise NotImplementedError(f"marft's attention cannot apply {', '.join(extra)}; this model must keep its own "
+                                  "attention: please report it with the model's name")
     b, h, Lq, d = query.shape
     kvh = key.shape[1]
     q = query.view(b, kvh, h // kvh, Lq, d)
@@ -70,13 +77,30 @@ def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, *
     return o.view(b, h, Lq, d).transpose(1, 2).contiguous(), None
 
 
+# what an attention layer may hand its attention function that this one does not compute: soft-capped
+# scores (Gemma 2's softcap=) and sink logits (gpt-oss's s_aux=, others' sinks=)
+EXTRAS = ("softcap", "s_aux", "sinks")
+
+
 def replaces(model) -> bool:
     """Whether this attention computes what ``model``'s own does, so that marft may switch to it:
-    not where the model caps its attention scores (Gemma 2's ``attn_logit_softcapping``) or adds
-    sink logits (gpt-oss), which it does not do."""
+    not where the model's attention layer passes one of :data:`EXTRAS` (read from its code), nor
+    where Gemma 2's config caps the scores."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     cfg = getattr(base.config, "text_config", None) or base.config
-    return getattr(cfg, "attn_logit_softcapping", None) is None and getattr(cfg, "model_type", "") != "gpt_oss"
+    if getattr(cfg, "attn_logit_softcapping", None) is not None:
+        return False
+    layer = next((m for m in base.modules() if type(m).__name__.endswith("Attention")), None)
+    return layer is None or _plain_layer(type(layer))
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_layer(cls) -> bool:
+    try:
+        code = inspect.getsource(cls.forward)
+    except (OSError, TypeError):  # no source to read: as before, the layer is taken as plain
+        return True
+    return not any(f"{name}=" in code for name in EXTRAS)
 
 
 def register() -> str:

@@ -390,12 +390,12 @@ class _StaticDecoder:
             with torch.cuda.stream(side):
                 self._forward()  # warm-up: lazily built state is made outside the capture
             torch.cuda.current_stream().wait_stream(side)
-            self._record()
+            self._record(side)
 
-    def _record(self) -> None:
+    def _record(self, side) -> None:
         graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        try:  # on our stream: torch's default capture stream is made once, on the first GPU it ran on
+            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
                 self.logits = self._forward()
         except RuntimeError as e:  # a model whose step cannot be captured: run it eagerly
             warn_once(f"marft: the decode step could not be captured as a CUDA graph ({str(e).splitlines()[0][:160]}); "

@@ -43,12 +43,13 @@ def cache_root(cache_dir: str = "") -> Path:
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto``: bf16 on GPUs that support it and on CPUs with AMX or AVX512-BF16, else fp32."""
+    """``auto``: bf16 on GPUs that do it in hardware (compute capability 8.0 on) and on CPUs with AMX
+    or AVX512-BF16, else fp32 (not fp16: marft scales no loss, and fp16 gradients can underflow)."""
     if name != "auto":
         return getattr(torch, name)
     if device.type == "cuda":  # bf16 in hardware (compute capability 8.0 on), not emulated, on this GPU
         with torch.cuda.device(device):
-            return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+            return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float32
     from .machine import bf16_flags
 
     return torch.bfloat16 if bf16_flags() else torch.float32
@@ -311,9 +312,10 @@ def stop_token_ids(model, tok) -> list[int]:
     ids = [ids] if isinstance(ids, int) else list(ids or [])
     if tok.eos_token_id is not None:
         ids.append(tok.eos_token_id)
-    closing = _turn_end(tok)
-    if closing is not None:
-        ids.append(closing)
+    if not hasattr(tok, "marft_turn_end"):  # once per tokenizer
+        tok.marft_turn_end = _turn_end(tok)
+    if tok.marft_turn_end is not None:
+        ids.append(tok.marft_turn_end)
     return sorted(set(ids))
 
 
@@ -323,7 +325,7 @@ def _turn_end(tok) -> int | None:
     mark = "MARFT_REPLY_END"
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": mark}]
     try:
-        text = tok.apply_chat_template(chat, tokenize=False)
+        text = tok.apply_chat_template(chat, tokenize=False, **(getattr(tok, "marft_template_kwargs", None) or {}))
     except Exception:  # noqa: BLE001 - a template with rules of its own: no extra stop token
         return None
     after = text.split(mark, 1)[1] if mark in text else ""

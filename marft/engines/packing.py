@@ -190,21 +190,23 @@ def _plain_head(model) -> bool:
     head = model.get_output_embeddings()
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     cfg = getattr(base.config, "text_config", None) or base.config
-    scaled = any(getattr(cfg, k, None) not in (None, 1.0, 0.0) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+    scaled = any(getattr(cfg, k, None) not in (None, 1.0, 0.0) for k in ("logit_scale", "logits_scaling")) \
+        or getattr(cfg, "final_logit_softcapping", None) not in (None, 0.0)
     return isinstance(head, torch.nn.Linear) and head.bias is None and not scaled
 
 
 def scaled_logits(model, z: torch.Tensor) -> torch.Tensor:
     """The output head's ``z`` as the model's forward returns its logits: times Cohere's
-    ``logit_scale``, divided by Granite's ``logits_scaling``, soft-capped by Gemma 2's
-    ``final_logit_softcapping`` (``cap * tanh(z / cap)``), as their forwards apply them."""
+    ``logit_scale``, divided by Granite's ``logits_scaling`` (HyperCLOVA X multiplies by its own),
+    soft-capped by Gemma 2's ``final_logit_softcapping`` (``cap * tanh(z / cap)``), as their
+    forwards apply them."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     cfg = getattr(base.config, "text_config", None) or base.config
     scale, div, cap = (getattr(cfg, k, None) for k in ("logit_scale", "logits_scaling", "final_logit_softcapping"))
     if scale not in (None, 1.0, 0.0):
         z = z * scale
     if div not in (None, 1.0, 0.0):
-        z = z / div
+        z = z * div if getattr(cfg, "model_type", "") == "hyperclovax" else z / div
     if cap not in (None, 0.0):
         z = torch.tanh(z / cap) * cap
     return z

@@ -80,7 +80,7 @@ class VLLMEngine(Engine):
         self.gpu = device.type == "cuda"
         if self.gpu and (device.index or 0) != 0:
             raise UserError(f"rollout.engine=vllm starts vLLM on the first visible GPU, not on model.device {str(device)!r}; "
-                            f"choose the GPU with CUDA_VISIBLE_DEVICES={device.index} and model.device=cuda")
+                            "make that GPU the first visible one (CUDA_VISIBLE_DEVICES) and set model.device=cuda")
         if settings.sleep and not self.gpu:
             raise UserError("rollout.vllm.sleep works on GPUs only (vLLM's CPU backend has no sleep mode); set it to false")
         if not self.gpu:

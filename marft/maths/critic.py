@@ -83,9 +83,16 @@ def opening(tok) -> str:
     return found
 
 
-def _opened(tok, texts: list[str]) -> list[str]:
+def encode_state(tok, texts: list[str], max_tokens: int) -> dict:
+    """Texts as left-padded ``input_ids`` and ``attention_mask`` tensors, left-truncated to
+    ``max_tokens``, each after the tokenizer's :func:`opening` (kept when the text is truncated)."""
     start = opening(tok)
-    return [t if t.startswith(start) else start + t for t in texts] if start else texts
+    if not start:
+        return tok(texts, return_tensors="pt", padding=True, truncation=True, max_length=max_tokens,
+                   add_special_tokens=False)
+    texts = [t[len(start):] if t.startswith(start) else t for t in texts]
+    ids = tok(texts, truncation=True, max_length=max(1, max_tokens - 1), add_special_tokens=False)["input_ids"]
+    return tok.pad({"input_ids": [[tok.bos_token_id, *row] for row in ids]}, return_tensors="pt")
 
 
 def state_features(models, agent: str, texts: list[str], batch: int | None = None, max_tokens: int = 2048, work=None,
@@ -97,11 +104,9 @@ def state_features(models, agent: str, texts: list[str], batch: int | None = Non
     with torch.set_grad_enabled(grad), _view(models, agent, adapter) as (model, tok):
         device = next(model.parameters()).device
         batch = _batch(batch, device, 16)
-        texts = _opened(tok, texts)
         feats = []
         for i in range(0, len(texts), batch):
-            enc = tok(texts[i:i + batch], return_tensors="pt", padding=True, truncation=True,
-                      max_length=max_tokens, add_special_tokens=False)
+            enc = encode_state(tok, texts[i:i + batch], max_tokens)
             h = _last_hidden(model, enc["input_ids"].to(device), enc["attention_mask"].to(device).bool(), work)
             feats.append(_out(h[:, -1], grad))  # left padding: the last position is the last token
         return torch.cat(feats) if feats else torch.zeros(0, hidden_size(model))
@@ -127,12 +132,10 @@ def token_features(models, agent: str, texts: list[str], response_ids: torch.Ten
     with torch.set_grad_enabled(grad), _view(models, agent, adapter) as (model, tok):
         device = next(model.parameters()).device
         batch = _batch(batch, device, 8)
-        texts = _opened(tok, texts)
         R = response_ids.shape[1]
         feats = []
         for i in range(0, len(texts), batch):
-            enc = tok(texts[i:i + batch], return_tensors="pt", padding=True, truncation=True,
-                      max_length=max_tokens, add_special_tokens=False)
+            enc = encode_state(tok, texts[i:i + batch], max_tokens)
             ids = torch.cat([enc["input_ids"], response_ids[i:i + batch]], 1).to(device)
             mask = torch.cat([enc["attention_mask"].bool(), response_mask[i:i + batch]], 1).to(device)
             h = _last_hidden(model, ids, mask, work)

@@ -673,6 +673,12 @@ def validate(cfg: RunConfig) -> None:
     _check(lo.alpha > 0, f"model.lora.alpha must be positive, got {lo.alpha}")
     _check(0 <= lo.dropout < 1, f"model.lora.dropout must be in [0, 1), got {lo.dropout}")
     _check(bool(lo.target_modules), "model.lora.target_modules must name at least one layer, e.g. [q_proj, v_proj]")
+    taken = sorted(set(cfg.model.chat_template_kwargs) & {"conversation", "tools", "documents", "chat_template",
+                                                         "add_generation_prompt", "continue_final_message", "tokenize",
+                                                         "padding", "truncation", "max_length", "return_tensors",
+                                                         "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+    _check(not taken, f"model.chat_template_kwargs may not set {', '.join(taken)}: marft sets it itself; give only the "
+                      "template's own variables (e.g. enable_thinking)")
     _check(cfg.model.dtype in ("auto", "bfloat16", "float16", "float32"),
            f"model.dtype must be auto, bfloat16, float16 or float32, got {cfg.model.dtype!r}")
     r = cfg.rollout
