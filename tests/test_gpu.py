@@ -138,12 +138,12 @@ def test_the_learning_critic_on_the_gpu(tiny_overrides, tmp_path, algorithm):
 
 
 def test_auto_dtype_is_bf16_where_the_gpu_has_it_in_hardware():
-    """model.dtype: auto: bf16 from compute capability 8.0 (A100, H100), fp16 below (T4, V100), where
-    torch would report bf16 as supported through emulation, which vLLM refuses."""
+    """model.dtype: auto: bf16 from compute capability 8.0 (A100, H100), float32 below (T4, V100),
+    where torch would report bf16 as supported through emulation, which vLLM refuses."""
     from marft.engines.models import pick_dtype
 
     major, _ = torch.cuda.get_device_capability(0)
-    assert pick_dtype("auto", torch.device("cuda:0")) == (torch.bfloat16 if major >= 8 else torch.float16)
+    assert pick_dtype("auto", torch.device("cuda:0")) == (torch.bfloat16 if major >= 8 else torch.float32)
 
 
 def test_the_mfu_rate_on_a_gpu_is_a_large_product(on_gpu):
