@@ -45,20 +45,27 @@ def cmd_train(args) -> int:
         trainer = MarftTrainer(cfg, run=RunFolder.new(cfg.output_dir, args.config), log=log)
     atexit.register(trainer.close)  # a vllm engine's worker processes, Ray's actors
 
+    signalled = []  # the signals that stopped the run
+
     def on_stop(signum, frame):
+        signalled.append(signum)
         if trainer.stopping:
-            raise KeyboardInterrupt
+            if signum == signal.SIGINT:  # a second Ctrl-C: the user means it
+                raise KeyboardInterrupt
+            return  # a second SIGTERM (one to the process, one to its group): the checkpoint still comes
         trainer.stop()
-        what = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
-        console.print(f"[yellow]{what}: stopping after this iteration (the same signal again aborts without a checkpoint)[/]")
+        if signum == signal.SIGINT:
+            console.print("[yellow]Ctrl-C: stopping after this iteration (Ctrl-C again aborts without a checkpoint)[/]")
+        else:
+            console.print("[yellow]SIGTERM: stopping after this iteration, with a checkpoint[/]")
 
     # SIGTERM (what SLURM, Kubernetes and `timeout` send before they kill) is treated like Ctrl-C
     previous = {s: signal.signal(s, on_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         result = trainer.train()
     finally:  # the engine's processes and Ray's actors go now, not at exit
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        for s, handler in previous.items():  # a run stopped by SIGTERM ignores a late second one: it exits 130
+            signal.signal(s, signal.SIG_IGN if s == signal.SIGTERM and s in signalled else handler)
         trainer.close()
         atexit.unregister(trainer.close)
     if result.stopped:

@@ -213,6 +213,40 @@ def test_complete_runs_are_skipped_checkpointed_ones_resumed_failed_ones_retried
     assert calls == []
 
 
+def test_a_run_stopped_after_its_final_evaluation_is_not_complete(tmp_path):
+    """eval_final.json comes before the ablations' evaluations: a run that wrote it and then failed
+    (or was killed) is resumed by the next sweep, not counted complete."""
+    path = write(tmp_path / "s.yaml", "output_dir: {}\nbase: {}\ngrid: {{seed: [0, 1]}}\n".format(
+        tmp_path / "out", ROOT / "configs/duo_arithmetic.yaml"))
+    calls = []
+    plain = fake_executor(calls)
+
+    def ablation_fails(cmd, log_path):
+        plain(cmd, log_path)
+        return 1 if any(a.endswith("seed-1") for a in cmd) else 0
+    assert run_sweep(load_sweep(path), log=lambda m: None, execute=ablation_fails) == 1
+    assert (tmp_path / "out" / "seed-1" / "eval_final.json").is_file()
+    calls.clear()
+    assert run_sweep(load_sweep(path), log=lambda m: None, execute=fake_executor(calls)) == 0
+    assert calls == [("seed-1", True)]
+
+
+def test_runs_made_with_other_overrides_are_named(tmp_path):
+    """A sweep file whose overrides changed after some runs were made: those runs are kept as made,
+    and the sweep says which, and what changed, instead of pooling them without a word."""
+    text = "output_dir: {}\nbase: {}\noverrides: {{train.iterations: {}}}\ngrid: {{seed: [0, 1]}}\n"
+    path = write(tmp_path / "s.yaml", text.format(tmp_path / "out", ROOT / "configs/duo_arithmetic.yaml", 2))
+    calls, logs = [], []
+    assert run_sweep(load_sweep(path), log=lambda m: None, execute=fake_executor(calls)) == 0
+    write(path, text.format(tmp_path / "out", ROOT / "configs/duo_arithmetic.yaml", 3))
+    calls.clear()
+    assert run_sweep(load_sweep(path), log=logs.append, execute=fake_executor(calls)) == 0
+    assert calls == []
+    warning = next(m for m in logs if m.startswith("warning:"))
+    assert "2 run(s) were made with other overrides" in warning
+    assert "seed-0 (train.iterations=2 -> train.iterations=3)" in warning and "seed-1" in warning
+
+
 def test_stop_file_lets_runs_in_progress_finish_and_starts_no_new_one(tmp_path):
     path = write(tmp_path / "s.yaml", "output_dir: {}\nbase: {}\nparallel: 2\ngrid: {{seed: [0, 1, 2, 3, 4]}}\n".format(
         tmp_path / "out", ROOT / "configs/duo_arithmetic.yaml"))

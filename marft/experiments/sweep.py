@@ -253,12 +253,34 @@ def _same_run(first: Run, labels: dict[str, str], overrides: list[str]) -> None:
 
 
 def run_state(folder: Path) -> str:
-    """complete (eval_final.json), resumable (a checkpoint) or new."""
+    """complete (eval_final.json, and its last attempt under a sweep ended well: a run stopped while
+    its ablations were evaluated is not), resumable (a checkpoint) or new."""
     from ..run.checkpoints import latest_checkpoint
 
-    if (folder / "eval_final.json").is_file():
+    if (folder / "eval_final.json").is_file() and _recorded(folder).get("complete", True):
         return "complete"
     return "resumable" if latest_checkpoint(folder) is not None else "new"
+
+
+def _recorded(folder: Path) -> dict:
+    """The run's sweep_run.json, or {} (none, or unreadable)."""
+    try:
+        return json.loads((folder / "sweep_run.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _changed_runs(sweep: Sweep) -> list[str]:
+    """Runs made (complete, or with a checkpoint to resume) with other overrides than the sweep file
+    now gives them: the sweep would keep them as they are and report them with the new ones."""
+    changed = []
+    for run in sweep.runs:
+        before = _recorded(run.folder).get("overrides")
+        now = [*sweep.common, *run.overrides]
+        if before is not None and before != now and run_state(run.folder) != "new":
+            gone, new = [o for o in before if o not in now], [o for o in now if o not in before]
+            changed.append(f"{run.name} ({', '.join(gone) or 'nothing'} -> {', '.join(new) or 'nothing'})")
+    return changed
 
 
 def _command(sweep: Sweep, run: Run, threads: int) -> list[str]:
@@ -287,6 +309,7 @@ def run_sweep(sweep: Sweep, log=print, execute=None) -> int:
     log_path) -> exit status`` runs one command (a subprocess by default)."""
     execute = execute or _execute
     threads = sweep.threads or max(1, (os.cpu_count() or 1) // sweep.parallel)
+    changed = _changed_runs(sweep)  # said, not refused: a run whose change cannot matter (0 iterations) is common
     for run in sweep.runs:
         run.status = "complete" if run_state(run.folder) == "complete" else "pending"
         run.seconds = _recorded_seconds(run.folder)  # wall time of earlier attempts
@@ -302,6 +325,10 @@ def run_sweep(sweep: Sweep, log=print, execute=None) -> int:
     todo = [r for r in sweep.runs if r.status != "complete"]
     log(f"sweep {sweep.path}: {len(sweep.runs)} runs, {len(sweep.runs) - len(todo)} complete, {len(todo)} to run "
         f"({sweep.parallel} at a time, {threads} threads each), in {sweep.output_dir}")
+    if changed:
+        log(f"warning: {len(changed)} run(s) were made with other overrides than the sweep file now gives them and are "
+            f"kept as made (a report pools them with runs made with the new ones): {'; '.join(changed[:3])}"
+            f"{' ...' if len(changed) > 3 else ''}. To remake one, move its folder aside")
 
     def one(run: Run) -> None:
         if stop_file.exists() or _STOPPING.is_set():  # drain: runs in progress finish, no new one starts
@@ -312,10 +339,10 @@ def run_sweep(sweep: Sweep, log=print, execute=None) -> int:
         if machine() not in machines:
             machines.append(machine())
 
-        def record():  # seconds: wall time of every attempt of this run, summed; machines: where they ran
+        def record(complete: bool = False):  # seconds: wall time of every attempt, summed; machines: where they ran
             (run.folder / "sweep_run.json").write_text(json.dumps(
                 {"name": run.name, "labels": run.labels, "overrides": [*sweep.common, *run.overrides],
-                 "seconds": round(run.seconds, 1), "machines": machines}, indent=2))
+                 "seconds": round(run.seconds, 1), "machines": machines, "complete": complete}, indent=2))
 
         record()
         cmd = _command(sweep, run, threads)
@@ -328,7 +355,7 @@ def run_sweep(sweep: Sweep, log=print, execute=None) -> int:
         t0, before = time.perf_counter(), run.seconds
         rc = execute(cmd, run.folder / "log.txt")
         run.seconds = before + time.perf_counter() - t0
-        record()
+        record(complete=rc == 0 and (run.folder / "eval_final.json").is_file())
         if rc in (130, -2):  # Ctrl-C reached the run too: it saved a checkpoint; stop the sweep
             run.status = "interrupted"
             _write_plan(sweep)
