@@ -247,6 +247,25 @@ def test_runs_made_with_other_overrides_are_named(tmp_path):
     assert "seed-0 (train.iterations=2 -> train.iterations=3)" in warning and "seed-1" in warning
 
 
+def test_a_second_sweep_into_the_same_output_dir_is_one_line(tmp_path):
+    """While one sweep runs in an output_dir (it holds the folder's lock), another is refused before
+    it writes anything; once the first has ended, the folder is free."""
+    import fcntl
+    from marft.errors import UserError
+
+    path = write(tmp_path / "s.yaml", "output_dir: {}\nbase: {}\ngrid: {{seed: [0]}}\n".format(
+        tmp_path / "out", ROOT / "configs/duo_arithmetic.yaml"))
+    (tmp_path / "out").mkdir()
+    with open(tmp_path / "out" / ".sweep.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the first sweep, running
+        with pytest.raises(UserError, match="another marft sweep is running in .*out; let it finish, or stop it"):
+            run_sweep(load_sweep(path), log=lambda m: None, execute=fake_executor([]))
+        assert not (tmp_path / "out" / "sweep.json").exists()
+    calls = []
+    assert run_sweep(load_sweep(path), log=lambda m: None, execute=fake_executor(calls)) == 0
+    assert calls == [("seed-0", False)]
+
+
 def test_stop_file_lets_runs_in_progress_finish_and_starts_no_new_one(tmp_path):
     path = write(tmp_path / "s.yaml", "output_dir: {}\nbase: {}\nparallel: 2\ngrid: {{seed: [0, 1, 2, 3, 4]}}\n".format(
         tmp_path / "out", ROOT / "configs/duo_arithmetic.yaml"))

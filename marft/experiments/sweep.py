@@ -306,8 +306,26 @@ def _write_plan(sweep: Sweep) -> None:
 
 def run_sweep(sweep: Sweep, log=print, execute=None) -> int:
     """Run every run not yet complete; 0 if all are complete at the end, else 1. ``execute(cmd,
-    log_path) -> exit status`` runs one command (a subprocess by default)."""
-    execute = execute or _execute
+    log_path) -> exit status`` runs one command (a subprocess by default). One sweep at a time in an
+    output_dir: a second one, while the first runs, is one line (a lock the first holds)."""
+    import fcntl
+
+    try:
+        sweep.output_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(sweep.output_dir / ".sweep.lock", "a")
+    except OSError as e:
+        raise UserError(f"cannot write to the sweep's output_dir {sweep.output_dir} ({e.strerror}); "
+                        f"choose another output_dir in {sweep.path}") from None
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"sweep: another marft sweep is running in {sweep.output_dir}; let it finish, or stop it "
+                            f"(touch {sweep.output_dir / 'STOP'}: its runs finish, none starts) and run this again") from None
+        return _run(sweep, log, execute or _execute)
+
+
+def _run(sweep: Sweep, log, execute) -> int:
     threads = sweep.threads or max(1, (os.cpu_count() or 1) // sweep.parallel)
     changed = _changed_runs(sweep)  # said, not refused: a run whose change cannot matter (0 iterations) is common
     for run in sweep.runs:
