@@ -324,3 +324,15 @@ def test_malformed_files_are_left_out_with_a_one_line_warning_each(tmp_path, cap
     assert all(p.read_bytes() == b for p, b in before.items())  # the report reads, never writes, run folders
     runs = {r.folder.name: r for r in find_runs([str(tmp_path)])}
     assert [m["iteration"] for m in runs["line"].metrics] == [1, 2, 3] and len(runs["bytes"].metrics) == 1
+
+
+def test_a_run_reached_twice_counts_once_and_set_aside_attempts_are_not_runs(sweep_dir, tmp_path, capsys):
+    """`marft report SWEEP SWEEP/m0` (or two paths to one sweep) reads m0 once, saying so; a folder
+    of runs without a sweep.json does not count a run's earlier_attempt_N/ as one more run."""
+    once = build_report(find_runs([str(sweep_dir)]))
+    twice = build_report(find_runs([str(sweep_dir), str(sweep_dir / "m0")]))
+    assert twice["groups"] == once["groups"]
+    assert "m0 was given twice" in capsys.readouterr().err
+    make_run(tmp_path / "plain" / "a", 0, final=[1, 1, 0, 0], untrained=[0, 0, 0, 0])
+    make_run(tmp_path / "plain" / "a" / "earlier_attempt_1", 0, final=None, untrained=[0, 0, 0, 0])
+    assert [r.folder.name for r in find_runs([str(tmp_path / "plain")])] == ["a"]

@@ -233,9 +233,23 @@ def _load_run(folder: Path, labels: dict | None, status: str | None) -> RunInfo:
 
 
 def find_runs(paths: list[str]) -> list[RunInfo]:
-    """Every run under ``paths`` (see the module docstring); a path holding none is an error. A
-    malformed file of a run is left out with a warning naming it; the run is still listed."""
+    """Every run under ``paths`` (see the module docstring), each once however many paths reach it;
+    a path holding none is an error. A malformed file of a run is left out with a warning naming
+    it; the run is still listed."""
     _WARNED.clear()
+    runs = _runs_under(paths)
+    seen, unique = set(), []
+    for run in runs:
+        key = run.folder.resolve()
+        if key in seen:
+            _warn(f"{run.folder} was given twice (two sweeps, or a sweep and one of its runs); it counts once")
+            continue
+        seen.add(key)
+        unique.append(run)
+    return unique
+
+
+def _runs_under(paths: list[str]) -> list[RunInfo]:
     runs: list[RunInfo] = []
     for p in map(Path, paths):
         if not p.exists():
@@ -249,6 +263,7 @@ def find_runs(paths: list[str]) -> list[RunInfo]:
             runs.append(_load_run(p, _sweep_labels(p), None))
             continue
         found = sorted({c.parent for c in p.glob("*/config.yaml")} | {c.parent for c in p.glob("*/*/config.yaml")})
+        found = [f for f in found if not f.name.startswith("earlier_attempt_")]  # a run's set-aside attempt: not a run
         if not found:
             raise UserError(f"{p} holds no marft runs (no config.yaml in it or in its subfolders) and no sweep.json")
         for f in found:
