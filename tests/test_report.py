@@ -336,3 +336,19 @@ def test_a_run_reached_twice_counts_once_and_set_aside_attempts_are_not_runs(swe
     make_run(tmp_path / "plain" / "a", 0, final=[1, 1, 0, 0], untrained=[0, 0, 0, 0])
     make_run(tmp_path / "plain" / "a" / "earlier_attempt_1", 0, final=None, untrained=[0, 0, 0, 0])
     assert [r.folder.name for r in find_runs([str(tmp_path / "plain")])] == ["a"]
+
+
+def test_a_group_whose_runs_ran_on_two_kinds_of_machine_is_named(tmp_path):
+    """A seed repeats a run only on the same kind of machine: a group mixing two is listed under
+    the table with its machines; a group on one is not."""
+    from marft.experiments.report import to_markdown
+
+    for name, seed, machine in [("a0", 0, "Intel Xeon, bf16"), ("a1", 1, "AMD EPYC, float32"), ("b0", 0, "AMD EPYC, float32")]:
+        make_run(tmp_path / name, seed, final=[1, 0, 1, 0], untrained=[0, 0, 0, 0], algorithm="grpo" if name == "b0" else "marft")
+        (tmp_path / name / "sweep_run.json").write_text(json.dumps({"machines": [machine]}))
+    report = build_report(find_runs([str(tmp_path)]))
+    rows = {r["labels"]["algorithm"]: r for r in report["groups"]}
+    assert rows["marft"]["machines"] == ["AMD EPYC, float32", "Intel Xeon, bf16"] and len(rows["grpo"]["machines"]) == 1
+    md = to_markdown(report, [])
+    assert "ran on more than one kind of machine" in md
+    assert "algorithm marft: AMD EPYC, float32; Intel Xeon, bf16" in md and "algorithm grpo:" not in md

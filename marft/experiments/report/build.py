@@ -123,6 +123,7 @@ def build_report(runs: list[RunInfo]) -> dict:
             "speed": speed,
             "without": without,
             "incomplete": [{"folder": str(r.folder), "seed": r.seed, "status": r.status} for r in members if r.final is None],
+            "machines": sorted({m for r in done for m in (r.machines or ["not recorded"])}),
         })
     # rows of the same task/team together, the untrained team first
     firsts: dict[tuple, int] = {}

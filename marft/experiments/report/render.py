@@ -53,6 +53,11 @@ def to_markdown(report: dict, plots: list[str]) -> str:
         sci = _interval(r["final"]["ci95_seeds"]) if r["final"] else "–"
         lines.append("| " + " | ".join([*(r["labels"].get(a, "") for a in axes), runs, u, uci, f, per_seed, fci, sci,
                                         change, mins]) + " |")
+    mixed = [r for r in rows if len(r.get("machines", [])) > 1]
+    if mixed:
+        lines += ["", "Groups whose complete runs ran on more than one kind of machine (a seed repeats a run exactly "
+                  "only on the same kind; their intervals mix machines):", ""]
+        lines += [f"- {', '.join(f'{k} {v}' for k, v in r['labels'].items())}: {'; '.join(r['machines'])}" for r in mixed]
     incomplete = [(r, x) for r in rows for x in r["incomplete"]]
     if incomplete:
         lines += ["", "Runs not in the table (not complete):", ""]
