@@ -454,3 +454,18 @@ def test_a_runs_log_names_the_interpreter_relative_to_the_working_folder(tmp_pat
     monkeypatch.chdir(tmp_path)  # the interpreter now lies outside: named in full
     assert sw._execute([sys.executable, "-c", "pass"], tmp_path / "log2.txt") == 0
     assert f"$ {sys.executable} -c pass" in (tmp_path / "log2.txt").read_text()
+
+
+def test_a_sweep_that_cannot_write_its_records_is_one_line(tmp_path):
+    """The disk full (here raised where the run's attempt writes) ends the sweep with one line saying
+    what to do, not a traceback."""
+    from marft.errors import UserError
+
+    path = write(tmp_path / "s.yaml", "output_dir: {}\nbase: {}\ngrid: {{seed: [0]}}\n".format(
+        tmp_path / "out", ROOT / "configs/duo_arithmetic.yaml"))
+    sweep = load_sweep(path)
+
+    def disk_full(cmd, log_path):
+        raise OSError(28, "No space left on device")
+    with pytest.raises(UserError, match=r"sweep: cannot write in .*out \(No space left on device\); make room"):
+        run_sweep(sweep, log=lambda m: None, execute=disk_full)

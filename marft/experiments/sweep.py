@@ -322,7 +322,11 @@ def run_sweep(sweep: Sweep, log=print, execute=None) -> int:
         except BlockingIOError:
             raise UserError(f"sweep: another marft sweep is running in {sweep.output_dir}; let it finish, or stop it "
                             f"(touch {sweep.output_dir / 'STOP'}: its runs finish, none starts) and run this again") from None
-        return _run(sweep, log, execute or _execute)
+        try:
+            return _run(sweep, log, execute or _execute)
+        except OSError as e:  # the disk full, the folder gone: each run keeps its checkpoints
+            raise UserError(f"sweep: cannot write in {sweep.output_dir} ({e.strerror or e}); make room and run the "
+                            "sweep again: runs resume from their checkpoints") from None
 
 
 def _run(sweep: Sweep, log, execute) -> int:
@@ -395,7 +399,8 @@ def _run(sweep: Sweep, log, execute) -> int:
     failed = [r for r in sweep.runs if r.status.startswith("failed")]
     waiting = [r for r in sweep.runs if r.status == "pending"]
     complete = len(sweep.runs) - len(failed) - len(waiting)
-    log(f"sweep {'stopped by ' + str(stop_file) if waiting else 'finished'}: {complete} of {len(sweep.runs)} runs"
+    stopped_by = str(stop_file) if stop_file.exists() else "a signal"
+    log(f"sweep {'stopped by ' + stopped_by if waiting else 'finished'}: {complete} of {len(sweep.runs)} runs"
         f" complete ({sum(r.seconds for r in sweep.runs) / 60:.0f} min of run wall time in all attempts)"
         + (f"; failed: {', '.join(r.name for r in failed)}" if failed else "")
         + (f"; {len(waiting)} not started: run the sweep again to continue" if waiting else "")
