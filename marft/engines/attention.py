@@ -26,6 +26,8 @@ import inspect
 
 import torch
 
+from .models import text_config
+
 NAME = "marft_cpu"
 
 
@@ -86,10 +88,9 @@ def replaces(model) -> bool:
     """Whether this attention computes what ``model``'s own does, so that marft may switch to it:
     not where the model's attention layer passes one of :data:`EXTRAS` (read from its code), nor
     where Gemma 2's config caps the scores."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    cfg = getattr(base.config, "text_config", None) or base.config
-    if getattr(cfg, "attn_logit_softcapping", None) is not None:
+    if getattr(text_config(model), "attn_logit_softcapping", None) is not None:
         return False
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     layer = next((m for m in base.modules() if type(m).__name__.endswith("Attention")), None)
     return layer is None or _plain_layer(type(layer))
 

@@ -38,6 +38,8 @@ from functools import lru_cache
 
 import torch
 
+from .models import text_config
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -62,8 +64,7 @@ class ModelShape:
 def model_shape(model) -> ModelShape:
     """The :class:`ModelShape` of a Hugging Face causal LM (or a PEFT model around one)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    cfg = base.config
-    cfg = getattr(cfg, "text_config", cfg)
+    cfg = text_config(model)
     embed = base.get_input_embeddings()
     skip = {id(embed.weight)}
     head = base.get_output_embeddings()

@@ -43,28 +43,20 @@ def describe_machine(model=None) -> dict:
     import torch
     import transformers
 
+    p = next(model.parameters()) if model is not None else None
+    gpu = p.device if p is not None and p.device.type == "cuda" else None  # the model's GPU, else the current one
     out = {
         "cpu": cpu_info()[0],
         "cpu_cores": os.cpu_count(),
         "cpu_bf16": bf16_flags(),
         "torch_threads": torch.get_num_threads(),
-        "gpu": torch.cuda.get_device_name(_gpu_of(model)) if torch.cuda.is_available() else None,
+        "gpu": torch.cuda.get_device_name(gpu) if torch.cuda.is_available() else None,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
-    if model is not None:
-        p = next(model.parameters())
+    if p is not None:
         out.update(device=str(p.device), dtype=str(p.dtype).replace("torch.", ""))
     return out
-
-
-def _gpu_of(model) -> int:
-    """The index of the GPU ``model`` is on (``cuda:1``: 1), else the current one."""
-    import torch
-
-    device = next(model.parameters()).device if model is not None else None
-    return device.index if device is not None and device.type == "cuda" and device.index is not None \
-        else torch.cuda.current_device()
 
 
 def memory_stats(device=None) -> dict[str, float]:

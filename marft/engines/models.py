@@ -62,10 +62,16 @@ def _remote_code(name: str, e: Exception) -> None:
                         "model.trust_remote_code: true") from None
 
 
+def text_config(model):
+    """The config of ``model``'s language model (a PEFT model's base; a multimodal model's
+    ``text_config``, where the sizes, scales and caps of its text part are)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(base.config, "text_config", None) or base.config
+
+
 def hidden_size(model) -> int:
-    """The width of the model's last hidden state (a multimodal model's from its ``text_config``)."""
-    cfg = getattr(model.config, "text_config", None) or model.config
-    return cfg.hidden_size
+    """The width of the model's last hidden state."""
+    return text_config(model).hidden_size
 
 
 def pick_device(name: str) -> torch.device:

@@ -37,6 +37,7 @@ from . import attention as cpu_attention
 from . import compiling
 from .flops import causal_context
 from .logits import token_logprobs_and_entropy
+from .models import text_config
 
 # switches for benchmarks/train.py's ablation rows (each one of the fast path's changes)
 SHARE_PREFIX = True  # run the rows' common prefix once
@@ -188,11 +189,15 @@ def _plain_head(model) -> bool:
     """Whether the output projection is a bias-free linear map with no logit scaling, so the fused
     log-probability pass (:mod:`marft.engines.logits`) computes exactly what the model's head does."""
     head = model.get_output_embeddings()
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    cfg = getattr(base.config, "text_config", None) or base.config
-    scaled = any(getattr(cfg, k, None) not in (None, 1.0, 0.0) for k in ("logit_scale", "logits_scaling")) \
-        or getattr(cfg, "final_logit_softcapping", None) not in (None, 0.0)
-    return isinstance(head, torch.nn.Linear) and head.bias is None and not scaled
+    return isinstance(head, torch.nn.Linear) and head.bias is None and not any(_logit_scaling(model))
+
+
+def _logit_scaling(model) -> tuple:
+    """(scale, divisor, cap) of the model's logits, each None where it changes nothing."""
+    cfg = text_config(model)
+    scale, div, cap = (getattr(cfg, k, None) for k in ("logit_scale", "logits_scaling", "final_logit_softcapping"))
+    return (None if scale in (None, 1.0, 0.0) else scale, None if div in (None, 1.0, 0.0) else div,
+            None if cap in (None, 0.0) else cap)
 
 
 def scaled_logits(model, z: torch.Tensor) -> torch.Tensor:
@@ -200,14 +205,12 @@ def scaled_logits(model, z: torch.Tensor) -> torch.Tensor:
     ``logit_scale``, divided by Granite's ``logits_scaling`` (HyperCLOVA X multiplies by its own),
     soft-capped by Gemma 2's ``final_logit_softcapping`` (``cap * tanh(z / cap)``), as their
     forwards apply them."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    cfg = getattr(base.config, "text_config", None) or base.config
-    scale, div, cap = (getattr(cfg, k, None) for k in ("logit_scale", "logits_scaling", "final_logit_softcapping"))
-    if scale not in (None, 1.0, 0.0):
+    scale, div, cap = _logit_scaling(model)
+    if scale is not None:
         z = z * scale
-    if div not in (None, 1.0, 0.0):
-        z = z * div if getattr(cfg, "model_type", "") == "hyperclovax" else z / div
-    if cap not in (None, 0.0):
+    if div is not None:
+        z = z * div if getattr(text_config(model), "model_type", "") == "hyperclovax" else z / div
+    if cap is not None:
         z = torch.tanh(z / cap) * cap
     return z
 
@@ -267,8 +270,7 @@ def token_budget(model, requested: int = 0) -> int:
         return CPU_TOKENS
     import torch
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    cfg = getattr(base.config, "text_config", base.config)
+    cfg = text_config(model)
     width = cfg.num_hidden_layers * (cfg.hidden_size + getattr(cfg, "intermediate_size", 4 * cfg.hidden_size))
     per_token = BYTES_PER_TOKEN_WIDTH * width * max(p.element_size(), 2) / 2
     total = torch.cuda.get_device_properties(p.device).total_memory

@@ -63,10 +63,10 @@ def _view(models, agent: str, adapter: str | None):
     return models.reference(agent) if adapter is None else models.acting_adapter(adapter)
 
 
-def _out(h: torch.Tensor, grad: bool) -> torch.Tensor:
+def _out(h: torch.Tensor) -> torch.Tensor:
     """Features in float32 on the CPU, where the value heads are: cached for the iteration, or with
-    their graph for a learning critic's update (``grad``; the copy to the CPU passes the gradient
-    back to the critic's adapter on the model's device)."""
+    their graph for a learning critic's update (the copy to the CPU passes the gradient back to the
+    critic's adapter on the model's device)."""
     return h.float().cpu()
 
 
@@ -108,7 +108,7 @@ def state_features(models, agent: str, texts: list[str], batch: int | None = Non
         for i in range(0, len(texts), batch):
             enc = encode_state(tok, texts[i:i + batch], max_tokens)
             h = _last_hidden(model, enc["input_ids"].to(device), enc["attention_mask"].to(device).bool(), work)
-            feats.append(_out(h[:, -1], grad))  # left padding: the last position is the last token
+            feats.append(_out(h[:, -1]))  # left padding: the last position is the last token
         return torch.cat(feats) if feats else torch.zeros(0, hidden_size(model))
 
 
@@ -118,7 +118,7 @@ def prompt_features(models, agent: str, prompt_ids: torch.Tensor, prompt_mask: t
     with torch.set_grad_enabled(grad), _view(models, agent, adapter) as (model, _):
         device = next(model.parameters()).device
         batch = _batch(batch, device, 16)
-        feats = [_out(_last_hidden(model, prompt_ids[i:i + batch].to(device), prompt_mask[i:i + batch].to(device), work)[:, -1], grad)
+        feats = [_out(_last_hidden(model, prompt_ids[i:i + batch].to(device), prompt_mask[i:i + batch].to(device), work)[:, -1])
                  for i in range(0, len(prompt_ids), batch)]
         return torch.cat(feats)
 
@@ -140,5 +140,5 @@ def token_features(models, agent: str, texts: list[str], response_ids: torch.Ten
             mask = torch.cat([enc["attention_mask"].bool(), response_mask[i:i + batch]], 1).to(device)
             h = _last_hidden(model, ids, mask, work)
             P = enc["input_ids"].shape[1]
-            feats.append(_out(h[:, P - 1:P - 1 + R], grad))
+            feats.append(_out(h[:, P - 1:P - 1 + R]))
         return torch.cat(feats)
