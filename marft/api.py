@@ -206,7 +206,12 @@ class MarftTrainer:
         self.config = config
         self.run = run if run is not None else RunFolder.new(config.output_dir)
         self.run_dir = self.run.path
-        self.training = build_training(config, self.run, log or (lambda message: None), callbacks, owner=self)
+        self.run.hold()  # one process trains a folder at a time
+        try:
+            self.training = build_training(config, self.run, log or (lambda message: None), callbacks, owner=self)
+        except BaseException:
+            self.run.release()
+            raise
         self.team, self.models, self.make_env = self.training.team, self.training.models, self.training.make_env
         self.trainer, self.callbacks = self.training.trainer, self.training.callbacks
 
@@ -264,6 +269,8 @@ class MarftTrainer:
         training = getattr(self, "training", None)
         if training is not None:
             training.close()
+        if getattr(self, "run", None) is not None:
+            self.run.release()
 
     def __enter__(self) -> "MarftTrainer":
         return self

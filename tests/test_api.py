@@ -2,7 +2,10 @@
 same run, configs from every kind of source agree, callbacks and stop/resume, and the trained team
 loaded for inference replies as the team did in its evaluation."""
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -118,6 +121,8 @@ def test_callbacks_stop_and_resume(vowel, tmp_path):
     said: list = []  # the first attempt said it ran in bf16: the resume says the machine changed
     with marft.MarftTrainer.resume(first.run_dir, log=said.append, callbacks=[Stopper()]) as trainer:
         assert trainer.iteration == 1 and trainer.checkpoint.name == "iter_000001"
+        with pytest.raises(marft.UserError, match="is held by a MarftTrainer of this process; call its close"):
+            marft.MarftTrainer.resume(first.run_dir)  # one trainer trains a folder at a time
         second = trainer.train()
     assert any("another kind of machine" in s and "dtype bfloat16 -> float32" in s for s in said), said
     assert not second.stopped and [m["iteration"] for m in second.metrics] == [1, 2, 3]
@@ -265,6 +270,38 @@ def test_a_trackers_files_alone_do_not_block_a_new_run(vowel, tmp_path):
     (run / "config.yaml").write_text("seed: 0\n")
     with pytest.raises(marft.UserError, match="already holds config.yaml of an earlier run"):
         check_new_run_dir(run)
+
+
+def test_one_process_trains_a_run_folder_at_a_time(tmp_path):
+    """The lock a training process holds on its run folder: another RunFolder of the folder (another
+    process, or this one) cannot take it, and neither a new run nor a resume starts there; released,
+    the folder is free again."""
+    from marft.run.folder import RunFolder, check_not_training, training_process
+    run = tmp_path / "run"
+    assert training_process(run) is None  # no folder yet
+    first = RunFolder.new(run)
+    first.hold()
+    first.hold()  # holding twice is holding once
+    assert training_process(run) == os.getpid()
+    assert (run / ".marft.lock").read_text() == f"{os.getpid()}\n"
+    with pytest.raises(marft.UserError, match="run folder .*run is held by a MarftTrainer of this process; call its close"):
+        RunFolder(run).hold()
+    with pytest.raises(marft.UserError, match="held by a MarftTrainer of this process"):
+        RunFolder.new(run)
+    with pytest.raises(marft.UserError, match="held by a MarftTrainer of this process"):
+        RunFolder.existing(run)  # before its missing checkpoint is reported
+    other = subprocess.run([sys.executable, "-c", "import sys; from marft.run.folder import check_not_training as c; "
+                            "from marft.errors import UserError\ntry: c(sys.argv[1])\nexcept UserError as e: print(e)", str(run)],
+                           capture_output=True, text=True, check=True)  # another process
+    assert other.stdout.strip() == (f"run folder {run} is being trained by process {os.getpid()} now; wait for it to end, "
+                                    f"or stop it with kill -TERM {os.getpid()} (it saves a checkpoint first), then run this again")
+    first.release()
+    first.release()
+    assert training_process(run) is None
+    check_not_training(run)
+    second = RunFolder.new(run)  # the lock file alone is no earlier run's file
+    second.hold()
+    second.release()
 
 
 def test_adapters_through_checkpoints_latest(vowel, tmp_path):

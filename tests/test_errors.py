@@ -267,6 +267,27 @@ def test_new_run_into_a_folder_with_checkpoints(f, run, capsys):
     assert tree_hash(run) == before
 
 
+def test_a_run_another_process_trains_is_left_alone(f, run, capsys):
+    """While another process trains the run (it holds the folder's lock), neither a resume nor a new
+    run into the folder starts: one line naming that process, the folder untouched."""
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from marft.run.folder import RunFolder; "
+                               "r = RunFolder(sys.argv[1]); r.hold(); print('held', flush=True); sys.stdin.read()", str(run)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        before = tree_hash(run)
+        assert main(["train", "--resume", str(run), "train.iterations=2"]) == 2
+        assert one_line_error(capsys) == (f"marft: error: run folder {run} is being trained by process {holder.pid} now; wait "
+                                          f"for it to end, or stop it with kill -TERM {holder.pid} (it saves a checkpoint "
+                                          "first), then run this again")
+        assert main(["train", CONFIG, *f.tiny, *f.vowel, f"output_dir={run}"]) == 2
+        assert f"is being trained by process {holder.pid} now" in one_line_error(capsys)
+        assert tree_hash(run) == before
+    finally:
+        holder.communicate("")  # it ends, and the lock with it
+    assert main(["train", "--resume", str(run), "train.iterations=2"]) == 0
+
+
 def test_missing_adapter_config_is_named(run, capsys):
     (run / CKPT / "adapters/solver/adapter_config.json").unlink()
     assert main(["train", "--resume", str(run), "train.iterations=2"]) == 2

@@ -150,7 +150,7 @@ def test_report_command_writes_markdown_json_and_plots(sweep_dir, capsys):
     assert f"- {sweep_dir / 'i1'} (seed 1): not started" in md
     assert f"- {sweep_dir / 'g0'} (seed 0): failed (exit 2)" in md
     assert f"- {sweep_dir / 'g1'} (seed 1): partial (2/5 iterations)" in md
-    assert "| marft | planner | 62.5 | 37.5 | +25.0 |" in md
+    assert "| marft | planner | 2 | 62.5 | 37.5 | +25.0 |" in md  # over the 2 seeds evaluated without it
     assert "| marft | 1 | 75.0 | 75.0 | planner 30 / 50%, solver 9 / 0% |" in md  # each run's replies
     assert "| ippo | 0 | 25.0 | 75.0 |" in md and "| grpo |" not in md.split("final evaluation")[1]
     data = json.loads((out / "report.json").read_text())
@@ -284,14 +284,18 @@ def test_the_report_says_where_the_runs_ran(tmp_path):
     make_run(tmp_path / "a", 0, final=[1, 0])
     make_run(tmp_path / "b", 1, final=[1, 1])
     make_run(tmp_path / "c", 2, final=[0, 0])
+    make_run(tmp_path / "d", 3, final=[1, 0])
     (tmp_path / "a" / "machine.json").write_text(json.dumps([{"cpu": "Intel Xeon", "cpu_cores": 2, "cpu_bf16": ["amx_bf16"],
-                                                               "gpu": None, "device": "cpu", "dtype": "bfloat16"}]))
+                                                               "gpu": None, "device": "cpu", "dtype": "bfloat16", "torch_threads": 1}]))
     (tmp_path / "b" / "sweep_run.json").write_text(json.dumps({"labels": {"seed": "1"}, "machines": ["AMD EPYC, 2 cores"]}))
+    (tmp_path / "d" / "machine.json").write_text(json.dumps([{"cpu": "Intel Xeon", "cpu_cores": 16, "cpu_bf16": [], "torch_threads": 16,
+                                                               "gpu": "NVIDIA H100 80GB HBM3", "device": "cuda", "dtype": "bfloat16"}]))
     report = build_report(find_runs([str(tmp_path)]))
-    assert report["machines"] == {"Intel Xeon (AMX, 2 cores), cpu, bfloat16": 1, "AMD EPYC, 2 cores": 1, "not recorded": 1}
+    assert report["machines"] == {"Intel Xeon (AMX, 2 cores, 1 thread), cpu, bfloat16": 1, "AMD EPYC, 2 cores": 1,
+                                  "NVIDIA H100 80GB HBM3, cuda, bfloat16": 1, "not recorded": 1}  # threads only where they count
     from marft.experiments.report import to_markdown
-    assert "Machines (every run with a result, finished or not): Intel Xeon (AMX, 2 cores), cpu, bfloat16: 1 run; AMD EPYC, 2 cores: 1 run; not recorded: 1 run." \
-        in to_markdown(report, [])
+    assert ("Machines (every run with a result, finished or not): Intel Xeon (AMX, 2 cores, 1 thread), cpu, bfloat16: 1 run; "
+            "AMD EPYC, 2 cores: 1 run; not recorded: 1 run; NVIDIA H100 80GB HBM3, cuda, bfloat16: 1 run.") in to_markdown(report, [])
 
 
 def test_malformed_files_are_left_out_with_a_one_line_warning_each(tmp_path, capsys):

@@ -266,6 +266,33 @@ def test_a_second_sweep_into_the_same_output_dir_is_one_line(tmp_path):
     assert calls == [("seed-0", False)]
 
 
+def test_a_run_still_being_trained_is_left_alone(tmp_path):
+    """A sweep killed with SIGKILL leaves its runs training; the next sweep finds such a run's folder
+    locked by its process: it neither starts it again nor moves its files aside, says so, and runs
+    the others. Once that process has ended, the run is the sweep's again."""
+    from marft.run.folder import RunFolder
+
+    path = write(tmp_path / "s.yaml", "output_dir: {}\nbase: {}\ngrid: {{seed: [0, 1]}}\n".format(
+        tmp_path / "out", ROOT / "configs/duo_arithmetic.yaml"))
+    orphan = RunFolder(tmp_path / "out" / "seed-0")
+    orphan.hold()
+    (orphan.path / "config.yaml").write_text("seed: 0\n")  # its first files, no checkpoint yet
+    calls, logs = [], []
+    try:
+        assert run_sweep(load_sweep(path), log=logs.append, execute=fake_executor(calls)) == 1
+    finally:
+        orphan.release()
+    assert calls == [("seed-1", False)]
+    assert (orphan.path / "config.yaml").read_text() == "seed: 0\n" and not (orphan.path / "earlier_attempt_1").exists()
+    assert any(m.startswith(f"seed-0 is still being trained by process {os.getpid()}") and "left alone" in m for m in logs)
+    assert "failed: seed-0" in logs[-1]
+    plan = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    assert [r["status"] for r in plan["runs"]] == ["failed (still training)", "complete"]
+    calls = []
+    assert run_sweep(load_sweep(path), log=lambda m: None, execute=fake_executor(calls)) == 0
+    assert calls == [("seed-0", False)] and (orphan.path / "earlier_attempt_1" / "config.yaml").is_file()
+
+
 def test_stop_file_lets_runs_in_progress_finish_and_starts_no_new_one(tmp_path):
     path = write(tmp_path / "s.yaml", "output_dir: {}\nbase: {}\nparallel: 2\ngrid: {{seed: [0, 1, 2, 3, 4]}}\n".format(
         tmp_path / "out", ROOT / "configs/duo_arithmetic.yaml"))

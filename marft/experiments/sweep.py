@@ -28,8 +28,9 @@ run's label on that axis, in ``overrides`` as in a grid's values, e.g. ``model.i
 to start each run from an earlier sweep's run of the same labels.
 
 Runs go one after another, or ``parallel`` at a time with ``threads`` torch threads each (0: the
-machine's cores divided among them). A run whose folder holds ``eval_final.json`` is complete and
-skipped; one with a checkpoint is resumed with ``marft train --resume``; any other starts afresh
+machine's cores divided among them). A run whose last attempt under a sweep ended well (its
+``sweep_run.json`` says so, and ``eval_final.json`` is there) is complete and skipped; one still being
+trained by another process (a run of a sweep that was killed) is left alone; one with a checkpoint is resumed with ``marft train --resume``; any other starts afresh
 (``marft train`` overwrites no earlier run, so the files of an attempt that left no checkpoint, a
 run killed or failed early, are first moved into ``earlier_attempt_N/`` in its folder).
 So an interrupted sweep, run again, continues where it stopped. ``<output_dir>/sweep.json`` lists
@@ -330,6 +331,8 @@ def run_sweep(sweep: Sweep, log=print, execute=None) -> int:
 
 
 def _run(sweep: Sweep, log, execute) -> int:
+    from ..run.folder import training_process
+
     threads = sweep.threads or max(1, (os.cpu_count() or 1) // sweep.parallel)
     changed = _changed_runs(sweep)  # said, not refused: a run whose change cannot matter (0 iterations) is common
     for run in sweep.runs:
@@ -354,6 +357,13 @@ def _run(sweep: Sweep, log, execute) -> int:
 
     def one(run: Run) -> None:
         if stop_file.exists() or _STOPPING.is_set():  # drain: runs in progress finish, no new one starts
+            return
+        pid = training_process(run.folder)
+        if pid is not None:  # a run of a sweep that was killed goes on: its folder is left alone
+            run.status = "failed (still training)"
+            log(f"{run.name} is still being trained by {f'process {pid}' if pid else 'another process'} (a run of a "
+                "sweep that was killed?); left alone: let it end, or stop it with kill -TERM, then run the sweep again")
+            _write_plan(sweep)
             return
         run.folder.mkdir(parents=True, exist_ok=True)
 

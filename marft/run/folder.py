@@ -7,7 +7,8 @@ evaluations ``eval_<tag>.json``, ``machine.json`` (where each attempt ran) and t
 (:mod:`marft.run.trackers`); and the schedule of the training loop: when to save and when to evaluate.
 Its checks run once, where it is made: a new run overwrites nothing (:meth:`RunFolder.new`); a
 resumed run has a checkpoint, and keeps its team, adapters, algorithm and LoRA shape
-(:meth:`RunFolder.existing`, :meth:`RunFolder.config`).
+(:meth:`RunFolder.existing`, :meth:`RunFolder.config`); one process trains a folder at a time
+(:meth:`RunFolder.hold`, a lock in ``.marft.lock``).
 
 The module also holds the checks on other paths a command writes (``make_dir``, ``output_file``,
 ``config_file``) and what a sweep moves aside of a failed attempt (:data:`RUN_FILES`).
@@ -32,12 +33,14 @@ class RunFolder:
         self.checkpoint = checkpoint
         self.metrics_path = self.path / "metrics.jsonl"
         self._saved: RunConfig | None = None
+        self._lock = None  # the open lock file while this process trains the run (hold)
 
     @classmethod
     def new(cls, path: str | Path, config_file: str | Path | None = None) -> "RunFolder":
         """The folder of a new run, created; a :class:`UserError` if it holds an earlier run's files
         or ``config_file``, the config the run was started from (:func:`check_new_run_dir`)."""
         path = Path(path)
+        check_not_training(path)
         check_new_run_dir(path, config_file)  # before the models load: nothing to overwrite
         make_dir(path, "output_dir")
         return cls(path)
@@ -46,6 +49,7 @@ class RunFolder:
     def existing(cls, path: str | Path) -> "RunFolder":
         """The folder of a run to resume, at its last checkpoint (or a :class:`UserError` saying
         what is wrong with it)."""
+        check_not_training(path)
         return cls(path, checkpoints.resume_checkpoint(path))
 
     @property
@@ -96,6 +100,36 @@ class RunFolder:
             raise UserError(f"{given_file} is not the config of run {self.path} ({self.checkpoint / 'config.yaml'}): {shown}{more}; "
                             f"--resume continues the run with its own config: give a change as an override "
                             f"({differ[0]}={yaml_value(b.get(differ[0]))}), or leave {given_file} out")
+
+    def hold(self) -> None:
+        """Take the run's lock (``.marft.lock`` in its folder, with this process's id) for as long as
+        this process trains it: another ``marft train`` of the folder (a second terminal, a run still
+        going after the sweep that started it was killed) stops with one line before it loads
+        anything. :meth:`release`, or the process's end, frees it."""
+        import fcntl
+        import os
+
+        if self._lock is not None:
+            return
+        self.path.mkdir(parents=True, exist_ok=True)
+        lock = open(self.path / LOCK_FILE, "a+")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            check_not_training(self.path)
+            raise UserError(f"run folder {self.path} is being trained by another process; wait for it to end, then run "
+                            "this again") from None
+        lock.truncate(0)
+        lock.write(f"{os.getpid()}\n")
+        lock.flush()
+        self._lock = lock
+
+    def release(self) -> None:
+        """Free the lock :meth:`hold` took (safe to call twice)."""
+        if self._lock is not None:
+            self._lock.close()  # closing the file frees its flock
+            self._lock = None
 
     # ------------------------------------------------------------------ what the run writes
     def start(self, cfg: RunConfig, machine: dict, iteration: int) -> str | None:
@@ -250,6 +284,44 @@ def earlier_run_files(run_dir: Path, trackers: bool = False) -> list[Path]:
             if p not in found:
                 found.append(p)
     return found
+
+
+LOCK_FILE = ".marft.lock"  # held by the process training the run (RunFolder.hold)
+
+
+def training_process(run_dir: Path) -> int | None:
+    """The id of the process training the run in ``run_dir`` now (it holds :data:`LOCK_FILE`), 0 if
+    one does but its id cannot be read, None if none does."""
+    import fcntl
+
+    path = Path(run_dir) / LOCK_FILE
+    try:
+        lock = open(path)
+    except OSError:
+        return None
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            text = lock.read().strip()
+            return int(text) if text.isdigit() else 0
+        except OSError:
+            return None
+        return None
+
+
+def check_not_training(run_dir: Path) -> None:
+    """A :class:`UserError` when another process is training the run in ``run_dir``."""
+    import os
+
+    pid = training_process(run_dir)
+    if pid == os.getpid():
+        raise UserError(f"run folder {run_dir} is held by a MarftTrainer of this process; call its close() (or use it in "
+                        "a with block) before another trains the folder")
+    if pid is not None:
+        who = f"process {pid}" if pid else "another process"
+        stop = f"stop it with kill -TERM {pid} (it saves a checkpoint first)" if pid else "stop it"
+        raise UserError(f"run folder {run_dir} is being trained by {who} now; wait for it to end, or {stop}, then run this again")
 
 
 def check_new_run_dir(run_dir: Path, config_file: str | Path | None = None) -> None:

@@ -174,15 +174,17 @@ def _labels_from_config(folder: Path) -> tuple[dict[str, str], str, int, str, in
 
 
 def _machines(folder: Path) -> list[str]:
-    """Where a run ran, one line per machine: from ``machine.json`` (CPU, fast bf16, GPU, device,
-    dtype), else from the sweep's ``sweep_run.json`` (CPU only; older runs)."""
+    """Where a run ran, one line per machine: from ``machine.json`` (CPU, fast bf16, cores and on a
+    CPU the torch threads, GPU, device, dtype), else from the sweep's ``sweep_run.json`` (CPU only; older runs)."""
     records = _read_json(folder / "machine.json")
     records = [m for m in records if isinstance(m, dict)] if isinstance(records, list) else None
     if records:
         out = []
         for m in records:
             bf16 = bf16_label(m.get("cpu_bf16") or [])
-            where = m.get("gpu") or f"{m.get('cpu', '?')} ({bf16}, {m.get('cpu_cores', '?')} cores)"
+            threads = m.get("torch_threads")  # on a CPU they split the sums: another count, other numbers
+            threads = f", {threads} thread{'s' if threads != 1 else ''}" if threads and m.get("device") == "cpu" else ""
+            where = m.get("gpu") or f"{m.get('cpu', '?')} ({bf16}, {m.get('cpu_cores', '?')} cores{threads})"
             line = f"{where}, {m.get('device', '?')}, {m.get('dtype', '?')}"
             if line not in out:
                 out.append(line)

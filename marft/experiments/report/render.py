@@ -120,12 +120,12 @@ def to_markdown(report: dict, plots: list[str]) -> str:
     if ablations:
         lines += ["", "## What each agent adds", "",
                   "Held-out accuracy (%) of the trained team, and of the same team with one agent left out (it does "
-                  "not act; nobody sees its message), mean over seeds:", "",
-                  "| " + " | ".join([*axes, "agent left out", "whole team", "without it", "its contribution"]) + " |",
-                  "|" + "---|" * (len(axes) + 4)]
+                  "not act; nobody sees its message), mean over the seeds evaluated so:", "",
+                  "| " + " | ".join([*axes, "agent left out", "seeds", "whole team", "without it", "its contribution"]) + " |",
+                  "|" + "---|" * (len(axes) + 5)]
         for r, a, v in ablations:
-            lines.append("| " + " | ".join([*(r["labels"].get(x, "") for x in axes), a, _pct(v["with"]), _pct(v["without"]),
-                                            f"{100 * (v['with'] - v['without']):+.1f}"]) + " |")
+            lines.append("| " + " | ".join([*(r["labels"].get(x, "") for x in axes), a, str(v.get("seeds", "?")), _pct(v["with"]),
+                                            _pct(v["without"]), f"{100 * (v['with'] - v['without']):+.1f}"]) + " |")
     each = report.get("each_run", [])
     if each:
         lines += ["", "## Each run's final evaluation", "",
