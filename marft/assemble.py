@@ -11,6 +11,7 @@ import torch
 
 from .engines import Engine, HFEngine, make_engine
 from .engines.models import hidden_size
+from .errors import UserError
 from .maths.algorithms import ALGORITHMS
 from .run.assemble import prepare
 from .run.config import RunConfig
@@ -30,9 +31,12 @@ def build_trainer(cfg: RunConfig, team, models, make_env, log=print, engine: Eng
         engine = (HFEngine(models, fast=cfg.train.fast, merge=cfg.rollout.fold_adapters, compile=cfg.rollout.compile)
                   if ray else make_engine(cfg, models))
     algorithm = ALGORITHMS[cfg.train.algorithm]
-    first = next(iter(models.bases.values()))
+    if algorithm.critic == "team" and algorithm.token_level and len(models.bases) > 1:
+        raise UserError(f"config: {cfg.train.algorithm}'s critic reads each reply's tokens, which needs the team on one "
+                        f"base model (one tokenizer); its agents are on {len(models.bases)}: {', '.join(models.bases)}; "
+                        "use train.algorithm=marft (action level), or one base model")
     torch.manual_seed(cfg.seed)
-    heads = algorithm.make_heads(team.names, hidden_size(first))
+    heads = algorithm.make_heads(team.names, {a: hidden_size(models.for_agent(a)[0]) for a in team.names})
     # train.critic lora: the critic's own adapter, made after the heads (which are then those of a frozen critic)
     adapter = models.add_critic_adapter() if cfg.train.critic == "lora" and heads else None
     critic = CriticLearner(cfg, heads, algorithm.token_level, log=log, models=models, adapter=adapter, algorithm=algorithm)

@@ -164,10 +164,30 @@ def test_agent_program_skipping_an_agent():
     assert ret[0, 3].item() == pytest.approx(1.0)
     # "last" with the last agent skipped at a step: its reward goes to the agent that acted last
     assert credit_rewards(t([[1.0, 2.0]]), 2, "last", torch.tensor([[[T, F], [T, T]]])).tolist() == [[1, 0, 0, 2]]
-    # agent_gamma .5, gamma .9: the planner at step 0 reaches the planner at step 1 through the empty
-    # solver micro-step: discount .5 * .9 = .45
+    # agent_gamma .5, gamma .9: the planner, the last agent that acted at step 0, reaches the first of
+    # step 1: gamma .9 (the empty solver micro-step is no transition: not .5 * .9)
     _, g, _, _ = micro_layout(t([[0.0, 1.0]]), torch.tensor([[F, T]]), 2, 0.9, 0.5, "last", acted)
-    assert g[0, 0].item() == pytest.approx(0.45)
+    assert g[0, 0].item() == pytest.approx(0.9)
+
+
+def test_discounts_between_the_agents_that_acted():
+    """Three agents, agent_gamma .5, gamma .9. Step 0: agents 0 and 2 acted (1 skipped); step 1:
+    agents 0 and 1 (2 skipped), then the episode ended. Between agents of one step agent_gamma once
+    (0 -> 2: .5, not .25); from a step's last acting agent to the next step's first gamma (2 -> 0:
+    .9; at step 1 agent 1 is the last and the done lands on it)."""
+    acted = torch.tensor([[[T, F, T], [T, T, F]]])
+    r, g, d, m = micro_layout(t([[1.0, 2.0]]), torch.tensor([[F, T]]), 3, 0.9, 0.5, "last", acted)
+    assert m.tolist() == [[T, F, T, T, T, F]]
+    assert torch.allclose(g[0, [0, 2, 3]], t([0.5, 0.9, 0.5]))
+    assert d.tolist() == [[F, F, F, F, T, F]] and r.tolist() == [[0.0, 0.0, 1.0, 0.0, 2.0, 0.0]]
+    # values (.1, -, .2, .3, .4): lam 1: A4 = 2 - .4 = 1.6; A3 = .5 * .4 - .3 + .5 * 1.6 = .7;
+    # A2 = 1 + .9 * .3 - .2 + .9 * .7 = 1.7; A0 = .5 * .2 - .1 + .5 * 1.7 = .85
+    adv, _ = gae(r, t([[0.1, 9.0, 0.2, 0.3, 0.4, 9.0]]), g, d, m, 1.0)
+    assert torch.allclose(adv, t([[0.85, 0.0, 1.7, 0.7, 1.6, 0.0]]))
+    # nobody skipped: the discounts of micro_discounts, unchanged
+    every = torch.ones(1, 2, 3, dtype=torch.bool)
+    _, g, _, _ = micro_layout(t([[1.0, 2.0]]), torch.tensor([[F, T]]), 3, 0.9, 0.5, "last", every)
+    assert torch.equal(g[0], micro_discounts(2, 3, 0.9, 0.5).to(g))
 
 
 # ---------------------------------------------------------------- token level

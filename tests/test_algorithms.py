@@ -10,7 +10,7 @@ from marft.maths.algorithms import ALGORITHMS
 def test_each_algorithm_says_what_it_is():
     kinds = {name: (a.critic, a.token_level, a.grouped, a.whiten) for name, a in ALGORITHMS.items()}
     assert kinds == {"marft": ("team", False, False, "batch"), "marft-token": ("team", True, False, "batch"),
-                     "ippo": ("agent", False, False, "batch"), "grpo": (None, False, True, "batch"),
+                     "ippo": ("agent", False, False, "batch"), "grpo": (None, False, True, "episode"),
                      "dr-mas": (None, False, True, "agent"), "at-grpo": (None, False, True, "batch")}
     assert list(ALGORITHMS["ippo"].make_heads(["planner", "solver"], 8)) == ["planner", "solver"]
     assert list(ALGORITHMS["marft"].make_heads(["planner", "solver"], 8)) == ["team"]
@@ -31,9 +31,31 @@ def test_whitening_per_agent_or_over_the_batch():
     assert all(torch.allclose(a, torch.tensor(e), atol=1e-5) for a, e in zip(per_agent, expected))
     # over the batch: [1, 3, 10, 30, 5]: mean 9.8, deviations -8.8, -6.8, 0.2, 20.2, -4.8,
     # sample std sqrt((77.44 + 46.24 + 0.04 + 408.04 + 23.04) / 4) = sqrt(138.7) = 11.77710
-    batch = ALGORITHMS["grpo"].normalise(out, advs)
+    batch = ALGORITHMS["at-grpo"].normalise(out, advs)
     expected = [[-0.74721, -0.57739], [0.01698, 1.71519], [-0.40757]]
     assert all(torch.allclose(a, torch.tensor(e), atol=1e-5) for a, e in zip(batch, expected))
+
+
+def test_grpo_whitens_with_one_turn_per_episode():
+    """grpo's advantage is its episode's for every turn; whitened with statistics over turns, an
+    episode that ended early would weigh less and the mean would move every advantage. Groups of
+    2, one agent: group 0 solved in one step (+1/sqrt2) and failed in two (-1/sqrt2); group 1 failed
+    twice (0, 0). Over turns [.707, -.707, 0, 0, -.707, 0, 0] the mean is -0.101: group 1's failures
+    would get +0.207. Over episodes [.707, -.707, 0, 0]: mean 0, sample std sqrt(1/3)."""
+    a = 2 ** -0.5
+    out = SimpleNamespace(turns=[SimpleNamespace(agent="solver", step=0, episodes=torch.tensor([0, 1, 2, 3])),
+                                 SimpleNamespace(agent="solver", step=1, episodes=torch.tensor([1, 2, 3]))])
+    advs = [torch.tensor([a, -a, 0.0, 0.0]), torch.tensor([-a, 0.0, 0.0])]
+    got = ALGORITHMS["grpo"].normalise(out, advs)
+    r = a / (1 / 3) ** 0.5  # 1.22474
+    assert torch.allclose(got[0], torch.tensor([r, -r, 0.0, 0.0]), atol=1e-5)
+    assert torch.allclose(got[1], torch.tensor([-r, 0.0, 0.0]), atol=1e-5)
+    shifted = ALGORITHMS["at-grpo"].normalise(out, advs)  # what statistics over turns would give
+    assert shifted[1][1] > 0.2
+    # two agents, one turn each per episode (a horizon of one): the same numbers as over the batch
+    duo = SimpleNamespace(turns=[SimpleNamespace(agent=x, step=0, episodes=torch.tensor([0, 1, 2])) for x in ("p", "s")])
+    advs = [torch.tensor([1.0, -2.0, 0.5]), torch.tensor([1.0, -2.0, 0.5])]
+    assert all(torch.equal(x, y) for x, y in zip(ALGORITHMS["grpo"].normalise(duo, advs), ALGORITHMS["at-grpo"].normalise(duo, advs)))
 
 
 def test_targets_of_an_agent_program_that_skips_an_agent(monkeypatch):

@@ -126,7 +126,7 @@ def test_a_learning_critic_learns_and_says_how_well(tmp_path):
 def _two_turns(rewards, values, returns, advantages):
     """A rollout of 4 one-step episodes, speaker then solver, and its targets, for critic_quality."""
     turns = [SimpleNamespace(agent=a, episodes=torch.arange(4)) for a in ("speaker", "solver")]
-    out = SimpleNamespace(turns=turns, rewards=torch.tensor(rewards).view(4, 1))
+    out = SimpleNamespace(turns=turns, rewards=torch.tensor(rewards).view(4, 1), dones=torch.ones(4, 1, dtype=torch.bool))
     targets = [TurnTargets(torch.zeros(0), torch.tensor(v), torch.tensor(a), torch.tensor(r))
                for v, r, a in zip(values, returns, advantages)]
     return out, targets
@@ -153,6 +153,24 @@ def test_critic_quality_says_nothing_of_a_batch_whose_rewards_are_all_the_same()
                               [[-0.3, -0.2, -0.1, 0.0], [0.0] * 4])
     m = critic_quality(["speaker", "solver"], ["team"], False, out, targets)
     assert "critic/explained_variance" not in m and m["speaker/abs_advantage"] == pytest.approx(0.15)
+
+
+def test_critic_quality_reads_only_the_steps_that_happened():
+    """Every episode solved at its first step and ended (horizon 2): the rewards [1, 0] per episode
+    differ only through the padding after the end, and the returns (all 1) by rounding alone; that
+    batch gave -2.6e15 when the padding was compared. Omitted; and so are returns that vary by no
+    more than rounding whatever the rewards."""
+    turns = [SimpleNamespace(agent=a, episodes=torch.arange(8)) for a in ("speaker", "solver")]
+    out = SimpleNamespace(turns=turns, rewards=torch.tensor([[1.0, 0.0]] * 8),
+                          dones=torch.tensor([[True, False]] * 8))
+    ret = torch.ones(8)
+    ret[3] = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))  # 1 + 2^-23: rounding in a bootstrapped value
+    targets = [TurnTargets(torch.zeros(0), torch.full((8,), 0.9), torch.full((8,), 0.1), ret) for _ in turns]
+    assert "critic/explained_variance" not in critic_quality(["speaker", "solver"], ["team"], False, out, targets)
+    out.rewards[0, 0] = 0.5  # the rewards now differ, the returns still only by rounding
+    targets = [TurnTargets(torch.zeros(0), torch.full((8,), 0.9), torch.full((8,), 0.1), 1 + 1e-7 * torch.rand(8))
+               for _ in turns]
+    assert "critic/explained_variance" not in critic_quality(["speaker", "solver"], ["team"], False, out, targets)
 
 def test_ippo_reports_each_agents_critic(tmp_path):
     m = _trainer(tmp_path, "train.algorithm=ippo", "train.critic=lora").iteration_step()
@@ -194,3 +212,29 @@ def test_learning_critic_settings_that_cannot_work_say_why(extra, says):
 def test_an_agent_adapter_named_critic_is_one_line(tmp_path):
     with pytest.raises(UserError, match="train.critic lora adds an adapter named 'critic'"):
         _trainer(tmp_path, "train.critic=lora", "team.agents.0.adapter=critic")
+
+
+@pytest.mark.parametrize("algorithm", ["marft", "ippo"])
+def test_agents_on_base_models_of_other_widths(tmp_path, algorithm):
+    """The solver on a wider base model (hidden 96 against the planner's 64): ippo's heads each read
+    their own agent's base, at its width; marft's one team head reads every state through the first
+    agent's base (one feature space). An iteration runs and gives a value to every turn."""
+    from marft.engines.models import build_tiny_model
+
+    wide = build_tiny_model(tmp_path / "wide", seed=2, hidden=96)
+    tr = _trainer(tmp_path, f"train.algorithm={algorithm}", f"team.agents.1.model={wide}")
+    assert len(tr.models.bases) == 2
+    widths = {k: h.net[0].in_features for k, h in tr.heads.items()}
+    assert widths == ({"planner": 64, "solver": 96} if algorithm == "ippo" else {"team": 64})
+    m = tr.iteration_step()
+    losses = [v for k, v in m.items() if k.startswith("value_loss")]
+    assert len(losses) == (2 if algorithm == "ippo" else 1) and all(v == v for v in losses)  # numbers: every turn valued
+
+
+def test_token_level_marft_needs_one_base_model(tmp_path):
+    from marft.engines.models import build_tiny_model
+
+    other = build_tiny_model(tmp_path / "other", seed=2)
+    with pytest.raises(UserError, match="marft-token's critic reads each reply's tokens, which needs the team on one base "
+                                        "model"):
+        _trainer(tmp_path, "train.algorithm=marft-token", f"team.agents.1.model={other}")

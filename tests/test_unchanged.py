@@ -8,7 +8,10 @@ The recorded outputs (``tests/data/unchanged.json``) were written by the code be
 of issue 42 (the Intel Xeon's; the AMD EPYC's, 2026-12-07, by 058c32d, whose training code gave the
 Intel record bit for bit); they are keyed by the CPU they were recorded on, because another CPU (another matrix
 kernel) rounds differently and then samples other tokens: on a CPU with no record the test skips,
-saying so. Record them for this CPU (on the code you trust) with::
+saying so. A deliberate change of what a run computes remakes its record where it can be made and
+drops it elsewhere: ``grpo``'s whitening took its statistics over episodes instead of turns
+(2026-12-07; this task's episodes end after one or two steps), recorded anew on the AMD EPYC, none
+on the Intel Xeon until it is recorded there. Record them for this CPU (on the code you trust) with::
 
     .venv/bin/python tests/test_unchanged.py --record
 """
@@ -159,8 +162,8 @@ def _recorded() -> dict:
 def test_the_outputs_are_those_recorded_before_the_redesign(name, tmp_path, monkeypatch):
     recorded = _recorded()
     if name not in recorded:
-        pytest.skip(f"no outputs recorded for this CPU ({cpu_key()}); record them on trusted code with "
-                    "python tests/test_unchanged.py --record")
+        pytest.skip(f"no outputs of {name} recorded for this CPU ({cpu_key()}); record them on trusted code with "
+                    f"python tests/test_unchanged.py --record {name}")
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
     got = train(name, tmp_path / "run")
     want = recorded[name]

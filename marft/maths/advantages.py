@@ -152,8 +152,10 @@ def micro_layout(step_rewards: torch.Tensor, dones: torch.Tensor, num_agents: in
     from :func:`credit_rewards`; discounts from :func:`micro_discounts`; done at (t, N - 1) when step
     t was done; mask True for the micro-steps that happened (steps that happened, :func:`valid_steps`,
     and agents that acted). Micro-steps that did not happen (an agent program that skips an agent
-    at a step) are folded away (:func:`fold_skipped`): the discount from a micro-step reaches the
-    next one that happened, and a done lands on the step's last micro-step that happened.
+    at a step) are folded away (:func:`fold_skipped`): a done lands on the step's last micro-step
+    that happened, and the discount from a micro-step to the next one that happened is that of the
+    agents that acted: ``agent_gamma`` within a step, ``gamma`` from a step's last acting agent to the
+    next step's first (``gamma`` per step where whole steps lie between).
     """
     E, H = step_rewards.shape
     N = num_agents
@@ -167,8 +169,14 @@ def micro_layout(step_rewards: torch.Tensor, dones: torch.Tensor, num_agents: in
     mask = happened.reshape(E, H * N)
     if acted is None:  # nothing skipped inside a row: padding at the end only
         return rewards, discounts, micro_dones.reshape(E, H * N), mask
-    rewards, discounts, micro_dones = fold_skipped(rewards, discounts, micro_dones.reshape(E, H * N), mask)
-    return rewards, discounts, micro_dones, mask
+    rewards, _, micro_dones = fold_skipped(rewards, discounts, micro_dones.reshape(E, H * N), mask)
+    # the discount to the next micro-step that happened: the skipped ones between are no transitions
+    pos = torch.arange(H * N, device=mask.device).expand(E, -1)
+    later = torch.where(mask, pos, H * N)
+    nxt = torch.cat([later[:, 1:], later.new_full((E, 1), H * N)], 1).flip(1).cummin(1).values.flip(1)
+    steps_on = (nxt // N - pos // N).clamp(min=0).float()  # 0: the same step
+    folded = torch.where(steps_on == 0, float(agent_gamma), float(gamma) ** steps_on).to(discounts)  # as micro_discounts
+    return rewards, torch.where(mask & (nxt < H * N), folded, torch.where(mask, discounts, 0.0)), micro_dones, mask
 
 
 # ---------------------------------------------------------------- token level
@@ -360,18 +368,21 @@ def turn_group_advantages(agent_rewards: torch.Tensor, acted: torch.Tensor, grou
     return out
 
 
-def normalize(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """Masked whitening: (x - mean) / (std + eps) over the entries where ``mask`` is True.
+def normalize(x: torch.Tensor, mask: torch.Tensor, stats: torch.Tensor | None = None, eps: float = 1e-8) -> torch.Tensor:
+    """Masked whitening: (x - mean) / (std + eps) of the entries where ``mask`` is True, the mean
+    and std taken over the entries where ``stats`` is True (default: ``mask``; a subset of it, such
+    as one entry per episode where an episode's turns share one advantage).
 
     Any shape (``mask`` the same shape). Sample std (n - 1), as CleanRL's ``advantages.std()``;
-    with fewer than 2 valid entries only the mean is removed. Masked entries are returned as 0.
+    with fewer than 2 entries in ``stats`` only the mean is removed. Masked entries are returned as 0.
     """
     mask = mask.bool()
-    n = mask.sum()
-    xv = torch.where(mask, x, 0.0)
+    stats = mask if stats is None else stats.bool() & mask
+    n = stats.sum()
+    xv = torch.where(stats, x, 0.0)
     mean = xv.sum() / n.clamp(min=1)
     centred = torch.where(mask, x - mean, 0.0)
     if n < 2:
         return centred
-    std = ((centred ** 2).sum() / (n - 1)).sqrt()
+    std = ((torch.where(stats, centred, 0.0) ** 2).sum() / (n - 1)).sqrt()
     return centred / (std + eps)

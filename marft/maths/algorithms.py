@@ -11,7 +11,9 @@ the config's validation need to know about it, in one place:
   problem (the critic-free group baselines); a failed episode then takes its whole group out of the
   update;
 * ``whiten``: how ``train.normalize_advantages`` normalises the advantages before the update:
-  ``"batch"`` over the whole batch, ``"agent"`` over each agent's own turns;
+  ``"batch"`` over the whole batch's turns, ``"agent"`` over each agent's own turns, ``"episode"``
+  with the batch's mean and std taken over one turn per episode and agent (where all the turns of
+  an episode share its advantage, an episode of more turns would otherwise weigh more);
 * ``targets``: steps 2-4 of an iteration, a function ``(TargetInputs, Rollout) -> [TurnTargets]``
   (rewards credited, the critic's values, advantages and returns for every turn); the maths is in
   :mod:`marft.maths.advantages`.
@@ -106,15 +108,18 @@ class Algorithm:
     critic: str | None  # "team", "agent" or None
     token_level: bool
     grouped: bool
-    whiten: str  # "batch" or "agent"
+    whiten: str  # "batch", "agent" or "episode"
     targets: Callable[[TargetInputs, "Rollout"], list[TurnTargets]]
 
-    def make_heads(self, agents: list[str], hidden: int) -> dict[str, ValueHead]:
-        """The value heads, keyed ``"team"`` (centralised) or by agent; none for a critic-free one."""
+    def make_heads(self, agents: list[str], hidden: int | dict[str, int]) -> dict[str, ValueHead]:
+        """The value heads, keyed ``"team"`` (centralised) or by agent; none for a critic-free one.
+        ``hidden``: the width of the features, or per agent the width of its base model (an agent's
+        head reads its own base; the team's head reads the first agent's, :func:`action_gae`)."""
+        width = hidden if isinstance(hidden, dict) else dict.fromkeys(agents, hidden)
         if self.critic == "agent":
-            return {a: ValueHead(hidden) for a in agents}
+            return {a: ValueHead(width[a]) for a in agents}
         if self.critic == "team":
-            return {"team": ValueHead(hidden)}
+            return {"team": ValueHead(width[agents[0]])}
         return {}
 
     def critic_features(self, models, turn: "Turn", rows: list[int], adapter: str | None = None, grad: bool = False,
@@ -167,9 +172,10 @@ class Algorithm:
 
     def normalise(self, out: "Rollout", advs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each turn's advantages whitened (``train.normalize_advantages``) over the whole batch or,
-        with ``whiten="agent"``, over each agent's own turns; in a mixture of tasks, over each
-        task's episodes apart (never across tasks). [b] at action level; at token level flattened
-        [b * R] over the reply tokens (the learner reshapes them)."""
+        with ``whiten="agent"``, over each agent's own turns, or with ``whiten="episode"`` with the
+        mean and std of each episode's first turn per agent; in a mixture of tasks, over each task's
+        episodes apart (never across tasks). [b] at action level; at token level flattened [b * R]
+        over the reply tokens (the learner reshapes them)."""
         if self.token_level:
             flat = torch.cat([a.flatten() for a in advs])
             mask = torch.cat([t.response_mask.flatten() for t in out.turns])
@@ -178,9 +184,10 @@ class Algorithm:
             flat = torch.cat(advs)
             mask = torch.ones_like(flat, dtype=torch.bool)
             sizes = [len(a) for a in advs]
+        stats = _first_turns(out.turns) if self.whiten == "episode" else mask
         tasks = list(dict.fromkeys(getattr(out, "tasks", None) or [""]))
-        if self.whiten == "batch" and len(tasks) == 1:
-            return list(adv_fns.normalize(flat, mask).split(sizes))
+        if self.whiten in ("batch", "episode") and len(tasks) == 1:
+            return list(adv_fns.normalize(flat, mask, stats).split(sizes))
         owner = torch.cat([torch.full((n,), i) for i, n in enumerate(sizes)])  # entry -> turn
         agents = list(dict.fromkeys(t.agent for t in out.turns)) if self.whiten == "agent" else [None]
         if len(tasks) > 1:  # entry -> its episode's task
@@ -192,8 +199,21 @@ class Algorithm:
                        else torch.ones_like(mask))
             for agent in agents:
                 mine = in_task if agent is None else in_task & torch.tensor([t.agent == agent for t in out.turns])[owner]
-                normed = normed + adv_fns.normalize(flat, mask & mine)  # 0 outside its own entries
+                normed = normed + adv_fns.normalize(flat, mask & mine, stats & mine)  # 0 outside its own entries
         return list(normed.split(sizes))
+
+
+def _first_turns(turns: list["Turn"]) -> torch.Tensor:
+    """[rows of all turns] bool: the row of each episode's first turn of each agent (turns are in
+    execution order), so that an episode counts once per agent in the statistics, however many
+    turns it took (action level)."""
+    seen: set = set()
+    first = []
+    for t in turns:
+        for e in t.episodes.tolist():
+            first.append((e, t.agent) not in seen)
+            seen.add((e, t.agent))
+    return torch.tensor(first, dtype=torch.bool)
 
 
 # ---------------------------------------------------------------- targets (steps 2-4)
@@ -229,10 +249,12 @@ def _micro(inp: TargetInputs, out: "Rollout"):
 
 
 def action_gae(inp: TargetInputs, out: "Rollout") -> list[TurnTargets]:
-    """marft: the centralised critic's value of every micro-step's global state, GAE over micro-steps."""
+    """marft: the centralised critic's value of every micro-step's global state, GAE over micro-steps.
+    The states are read through the first agent's base model (one feature space for the one head,
+    where agents are on several base models)."""
     tr, head = inp.train, inp.heads["team"]
     E, K, (rewards, discounts, dones, mask) = _micro(inp, out)
-    feats = [state_features(inp.models, t.agent, t.states, work=inp.work, **inp.feature_kw()) for t in out.turns]
+    feats = [state_features(inp.models, inp.agents[0], t.states, work=inp.work, **inp.feature_kw()) for t in out.turns]
     values = torch.zeros(E, K)
     for t, f in zip(out.turns, feats):
         with torch.no_grad():
@@ -290,9 +312,11 @@ def ippo_targets(inp: TargetInputs, out: "Rollout") -> list[TurnTargets]:
 
 def grpo_targets(inp: TargetInputs, out: "Rollout") -> list[TurnTargets]:
     """grpo: the team's episode return against its group's (``train.group_baseline``), for every turn.
-    ``train.normalize_advantages`` then whitens them over the batch, as for every algorithm whose
-    ``whiten`` is ``"batch"``: a rescaling (they already average 0 in each group), so ``rloo`` is
-    leave-one-out up to a scale."""
+    ``train.normalize_advantages`` then whitens them with the mean and std over the batch's
+    episodes, each counted once per agent however many turns it took (``whiten="episode"``): a
+    rescaling (they average 0 in each group), so ``rloo`` is leave-one-out up to a scale. Taken over
+    turns instead, an episode that ended early would weigh less, and the mean would shift every
+    advantage (a failed episode in a group of equal rewards would be reinforced)."""
     a = adv_fns.group_advantages(out.rewards.sum(1), _groups(inp, out), inp.train.group_baseline)
     return _critic_free(out, lambda t: a[t.episodes])
 
@@ -316,7 +340,7 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     Algorithm("marft", critic="team", token_level=False, grouped=False, whiten="batch", targets=action_gae),
     Algorithm("marft-token", critic="team", token_level=True, grouped=False, whiten="batch", targets=token_gae),
     Algorithm("ippo", critic="agent", token_level=False, grouped=False, whiten="batch", targets=ippo_targets),
-    Algorithm("grpo", critic=None, token_level=False, grouped=True, whiten="batch", targets=grpo_targets),
+    Algorithm("grpo", critic=None, token_level=False, grouped=True, whiten="episode", targets=grpo_targets),
     Algorithm("dr-mas", critic=None, token_level=False, grouped=True, whiten="agent", targets=dr_mas_targets),
     Algorithm("at-grpo", critic=None, token_level=False, grouped=True, whiten="batch", targets=at_grpo_targets),
 )}

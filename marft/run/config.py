@@ -347,7 +347,8 @@ class TrainConfig:
     """Gradients are clipped to this global norm, per adapter and for the critic (the reference: 0.5)."""
     normalize_advantages: bool = True
     """Advantages whitened (mean 0, standard deviation 1) before the update: over the whole batch, or
-    over each agent's turns where the algorithm says so (``dr-mas``); in a mixture, within each task."""
+    over each agent's turns where the algorithm says so (``dr-mas``), with the statistics of one turn
+    per episode and agent for ``grpo``; in a mixture, within each task."""
     logprob: str = "sum"
     """Action log-probability at action level: ``sum`` of token log-probs, ``mean``, or ``word`` (sum / words)."""
     agent_by_agent: int = 0

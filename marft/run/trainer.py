@@ -368,8 +368,8 @@ def critic_quality(agents: list[str], heads: list[str], token_level: bool, out: 
     ``critic/explained_variance/<agent>``) = 1 - Var(R - V) / Var(R) over its entries (the returns R
     and the values V the advantages were computed with; at token level the reply tokens): 1 is a
     perfect critic, 0 no better than the mean return, below 0 worse; omitted when every reward of the
-    batch is the same (then the returns vary only through the bootstrapped values, by as little as
-    float rounding, and the ratio means nothing: one such batch gave -1.9e15)."""
+    batch's steps is the same, or the returns vary by no more than float rounding (then the ratio
+    means nothing: one such batch gave -1.9e15)."""
     def entries(i: int, x: torch.Tensor) -> torch.Tensor:
         return x[out.turns[i].response_mask[:, : x.shape[1]]] if token_level and x.dim() == 2 else x.flatten()
 
@@ -379,7 +379,10 @@ def critic_quality(agents: list[str], heads: list[str], token_level: bool, out: 
                 for i, t in enumerate(out.turns) if t.agent == agent]
         if mine:
             stats[f"{agent}/abs_advantage"] = float(torch.cat(mine).abs().mean())
-    if not bool((out.rewards != out.rewards.flatten()[0]).any()):
+    from ..maths.advantages import valid_steps
+
+    rewards = out.rewards[valid_steps(out.dones)]  # the steps that happened (0 is padding after an episode ended)
+    if not len(rewards) or not bool((rewards != rewards[0]).any()):
         return stats
     for key in heads:
         idx = [i for i, t in enumerate(out.turns) if key in ("team", t.agent)]
@@ -387,7 +390,7 @@ def critic_quality(agents: list[str], heads: list[str], token_level: bool, out: 
             continue
         ret = torch.cat([entries(i, targets[i].returns) for i in idx]).double()
         val = torch.cat([entries(i, targets[i].values) for i in idx]).double()
-        if len(ret) > 1 and float(ret.var()) > 0:
+        if len(ret) > 1 and float(ret.std()) > 1e-6 * max(1.0, float(ret.abs().max())):  # more than rounding
             name = "critic/explained_variance" if key == "team" else f"critic/explained_variance/{key}"
             stats[name] = float(1 - (ret - val).var() / ret.var())
     return stats
