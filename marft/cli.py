@@ -42,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     sw.add_argument("--dry-run", action="store_true", help="list the runs and their state; run nothing")
     sw.add_argument("--parallel", type=int, metavar="N", help="runs at once (overrides the file's parallel:)")
     sw.add_argument("--threads", type=int, metavar="N", help="torch threads per run (overrides the file's threads:)")
+    sw.add_argument("--output-dir", metavar="DIR", help="run the sweep in DIR, relative to the current folder (overrides "
+                                                        "the file's output_dir:, e.g. to run a shipped sweep afresh)")
     sw.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
     rp = sub.add_parser("report", help="tables, curves and per-agent views from run folders")

@@ -14,12 +14,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # Local copies of the benchmark data sets, laid out as MARFT_DATA_DIR wants them (docs/guides/offline-data.md),
 # for the tests that read them (the data_dir fixture): MARFT_TEST_DATA_DIR, else a MARFT_DATA_DIR set when the
-# tests start, else ../shared/data beside the checkout where it exists (this project's own machines). MARFT_DATA_DIR
-# itself is cleared, so that the other tests see the Hub (or its absence) as a user without copies does.
+# tests start; without either those tests skip, saying so. MARFT_DATA_DIR itself is cleared, so that the other
+# tests see the Hub (or its absence) as a user without copies does.
 _DATA_GIVEN = os.environ.pop("MARFT_DATA_DIR", "")
-_SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-if not os.environ.get("MARFT_TEST_DATA_DIR") and (_DATA_GIVEN or _SHARED_DATA.is_dir()):
-    os.environ["MARFT_TEST_DATA_DIR"] = _DATA_GIVEN or str(_SHARED_DATA)
+if not os.environ.get("MARFT_TEST_DATA_DIR") and _DATA_GIVEN:
+    os.environ["MARFT_TEST_DATA_DIR"] = _DATA_GIVEN
 
 
 def _cpus() -> int:

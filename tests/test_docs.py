@@ -89,6 +89,18 @@ def test_readme_is_a_front_door():
     assert "95.3%" in readme and "3.1%" in readme
 
 
+def test_no_shipped_code_names_a_path_outside_the_repository():
+    """The package, tests, scripts, benchmarks and configs read nothing beside the checkout (the
+    tests' data copies come through MARFT_TEST_DATA_DIR or MARFT_DATA_DIR, or those tests skip)."""
+    files = [p for d in ("marft", "tests", "scripts", "benchmarks", "configs", ".ci") for p in sorted((ROOT / d).rglob("*"))
+             if p.is_file() and p.suffix in (".py", ".sh", ".yaml", ".yml", "") and p != Path(__file__).resolve()
+             and "__pycache__" not in p.parts]
+    pattern = re.compile(r"\.\./shared|[\"']shared[\"']\s*/\s*[\"']data|/work/main")
+    found = [f"{f.relative_to(ROOT)}:{i}: {line.strip()[:120]}" for f in files
+             for i, line in enumerate(f.read_text(encoding="utf-8", errors="replace").splitlines(), 1) if pattern.search(line)]
+    assert not found, "shipped files reaching outside the repository:\n" + "\n".join(found)
+
+
 def test_docs_name_no_path_outside_the_repository():
     files = [ROOT / "README.md", ROOT / "RESULTS.md", ROOT / "BENCHMARKS.md", ROOT / "mkdocs.yml",
              *sorted((ROOT / "docs").rglob("*.md"))]

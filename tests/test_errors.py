@@ -17,6 +17,8 @@ from marft.run.checkpoints import latest_checkpoint
 from marft.cli import main
 
 CONFIG = "configs/duo_arithmetic.yaml"
+ERRORS_MD = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+E = "marft: error: "
 
 ENVS = VOWEL_ENV + '''
 class NeverEnds(Vowel):
@@ -69,6 +71,14 @@ def check_error(captured, rc_expected) -> str:
     return errors[0]
 
 
+def assert_documented(line: str, paths: tuple[tuple[str, str], ...] = ()) -> None:
+    """``line``, with this test's paths (and process ids) replaced by the ones docs/errors.md shows,
+    is the whole message of a row there."""
+    for here, there in paths:
+        line = line.replace(here, there)
+    assert f"`{line}`" in ERRORS_MD.read_text(), f"docs/errors.md has no row with the line {line}"
+
+
 def math(path):
     return ["task.kind=math", "task.options={}", f"task.test_path={path}"]
 
@@ -77,28 +87,42 @@ def code(path):
     return ["task.kind=code", "task.name=mbpp", "task.options={}", f"task.test_path={path}"]
 
 
-# (row id, args built from the fixture, text the message must hold)
+# (row id, args built from the fixture, the message): a message that starts with "marft: error: " is
+# a row of docs/errors.md, run as the row shows it, and must be the whole line, word for word, as
+# the row has it; any other is text the line must hold (rows whose line names this test's paths)
 ROWS = [
     # configs
-    ("config-missing", lambda f: ["eval", "configs/nope.yaml"], "config file configs/nope.yaml not found"),
+    ("config-missing", lambda f: ["eval", "configs/nope.yaml"],
+     E + "config file configs/nope.yaml not found; give the path of a YAML file such as configs/duo_arithmetic.yaml"),
     ("config-not-yaml", lambda f: ["eval", str(f.d / "bad.yaml")], "is not valid YAML at line 2"),
     ("config-not-text", lambda f: ["eval", str(f.d / "binary.yaml")], "is not UTF-8 text (byte 0x80 at offset 128)"),
     ("kind-override-keeps-options", lambda f: ["eval", CONFIG, *f.tiny, "task.kind=math", f"task.test_path={f.d / 'empty.jsonl'}"],
-     "are options of task.kind reasoning_gym, not of math; add task.options={}"),
+     E + "task.options {'min_terms': 2, 'max_terms': 2, 'min_digits': 1, 'max_digits': 1, 'operators': ['+'], "
+     "'allow_parentheses': False, 'allow_negation': False} in configs/duo_arithmetic.yaml are options of task.kind "
+     "reasoning_gym, not of math; add task.options={} (or the math task's own options) to the command line"),
     ("unknown-key", lambda f: ["eval", CONFIG, *f.tiny, "rollout.temprature=1"],
-     "unknown key 'rollout.temprature' (did you mean 'rollout.temperature'?)"),
-    ("wrong-type", lambda f: ["eval", CONFIG, *f.tiny, "rollout.episodes=abc"], "rollout.episodes must be an integer, got 'abc'"),
-    ("out-of-range", lambda f: ["eval", CONFIG, *f.tiny, "rollout.temperature=-1"], "rollout.temperature must be positive, got -1.0"),
-    ("override-without-value", lambda f: ["eval", CONFIG, "rollout.temperature"], "must look like key=value"),
-    ("section-not-mapping", lambda f: ["eval", CONFIG, "rollout=5"], "rollout must be a mapping of keys, got 5"),
-    ("empty-team", lambda f: ["eval", CONFIG, *f.tiny, "team.agents=[]"], "team.agents is empty"),
-    ("unknown-preset", lambda f: ["eval", CONFIG, *f.tiny, "team.preset=octet"], "unknown team.preset 'octet'"),
+     E + "config: unknown key 'rollout.temprature' (did you mean 'rollout.temperature'?)"),
+    ("wrong-type", lambda f: ["eval", CONFIG, *f.tiny, "rollout.episodes=abc"],
+     E + "config: rollout.episodes must be an integer, got 'abc'"),
+    ("out-of-range", lambda f: ["eval", CONFIG, *f.tiny, "rollout.temperature=-1"],
+     E + "config: rollout.temperature must be positive, got -1.0"),
+    ("override-without-value", lambda f: ["eval", CONFIG, "rollout.temperature"],
+     E + "override 'rollout.temperature' must look like key=value, e.g. rollout.temperature=0.8"),
+    ("section-not-mapping", lambda f: ["eval", CONFIG, "rollout=5"], E + "config: rollout must be a mapping of keys, got 5"),
+    ("empty-team", lambda f: ["eval", CONFIG, *f.tiny, "team.agents=[]"],
+     E + "config: team.agents is empty; give at least one agent or a team.preset such as duo"),
+    ("unknown-preset", lambda f: ["eval", CONFIG, *f.tiny, "team.preset=octet"],
+     E + "config: unknown team.preset 'octet'; choose one of solo, duo, trio, quartet, coop2, coop3, coop4, code-solo, "
+     "code-duo, code-trio, solo-anon, duo-anon, trio-anon, quartet-anon, coop2-anon, coop3-anon, coop4-anon, code-solo-anon, "
+     "code-duo-anon, code-trio-anon, or list team.agents yourself"),
     ("graph-cycle", lambda f: ["eval", CONFIG, *f.tiny, "team.agents=[{name: a}, {name: b}]", "team.graph={a: [b], b: [a]}"],
-     "team.graph has a cycle among a, b"),
-    ("agent-twice", lambda f: ["eval", CONFIG, *f.tiny, "team.agents=[{name: a}, {name: a}]"], "agent name 'a' is used twice"),
+     E + "config: team.graph has a cycle among a, b; agents within a step must form a DAG"),
+    ("agent-twice", lambda f: ["eval", CONFIG, *f.tiny, "team.agents=[{name: a}, {name: a}]"],
+     E + "config: agent name 'a' is used twice in team.agents; names must be unique"),
     ("graph-unknown-agent", lambda f: ["eval", CONFIG, *f.tiny, "team.graph={judge: [planner]}"],
-     "team.graph names agent 'judge', which is not in team.agents"),
-    ("agent-index", lambda f: ["eval", CONFIG, *f.tiny, "team.agents.5.prompt=x"], "team.agents has 2 entries; index '5'"),
+     E + "config: team.graph names agent 'judge', which is not in team.agents (planner, solver)"),
+    ("agent-index", lambda f: ["eval", CONFIG, *f.tiny, "team.agents.5.prompt=Plan."],
+     E + "config: team.agents has 2 entries; index '5' in 'team.agents.5.prompt' is out of range"),
     ("adapter-two-models", lambda f: ["eval", CONFIG, *f.tiny, "team.agents=[{name: a1, adapter: shared}, "
                                       f"{{name: a2, adapter: shared, model: {f.d / 'nochat'}}}]"],
      "adapter 'shared' is used by agents on different base models"),
@@ -109,17 +133,22 @@ ROWS = [
                                        str(f.run / "checkpoints/iter_000001/adapters")], "was trained with other LoRA settings (model.lora.r=8, not 4); set model.lora.r=8 to load it"),
     ("output-dir-is-a-file", lambda f: ["train", CONFIG, *f.tiny, f"output_dir={f.d / 'envs.py'}"], "cannot create the folder"),
     ("engine-vllm-missing", lambda f: ["eval", CONFIG, *f.tiny, "rollout.engine=vllm"],
-     "rollout.engine=vllm needs vLLM, which is not installed"),
+     E + "rollout.engine=vllm needs vLLM, which is not installed: on a GPU machine pip install 'marft[vllm]'; on a CPU run "
+     "bash scripts/setup.sh --vllm (vLLM's CPU build), or use rollout.engine=hf (ModuleNotFoundError: No module named 'vllm')"),
     ("schedule-async-hf", lambda f: ["eval", CONFIG, *f.tiny, "rollout.schedule=async"],
-     "rollout.schedule async needs rollout.engine=vllm"),
+     E + "config: rollout.schedule async needs rollout.engine=vllm (the hf engine generates one batch per agent turn)"),
     ("compile-vllm", lambda f: ["eval", CONFIG, *f.tiny, "rollout.engine=vllm", "rollout.compile=true"],
-     "rollout.compile is the hf engine's"),
+     E + "config: rollout.compile is the hf engine's; vLLM compiles its own steps: set rollout.vllm.enforce_eager=false instead"),
     ("compile-plain-loop", lambda f: ["train", CONFIG, *f.tiny, "train.fast=false", "train.compile=true"],
-     "train.compile needs train.fast: true"),
-    ("device-without-gpu", lambda f: ["eval", CONFIG, *f.tiny, "model.device=cuda"], "no CUDA GPU is available"),
+     E + "config: train.compile needs train.fast: true (train.fast=false keeps the plain loop and passes, uncompiled, to "
+     "measure against)"),
+    ("device-without-gpu", lambda f: ["eval", CONFIG, *f.tiny, "model.device=cuda"],
+     E + "config: model.device is 'cuda' but no CUDA GPU is available here; use model.device=cpu or auto"),
     # models
-    ("model-missing", lambda f: ["eval", CONFIG, *f.tiny, "model.name=/no/such/model"], "model '/no/such/model' not found"),
-    ("model-gguf-missing", lambda f: ["eval", CONFIG, *f.tiny, "model.name=/no/model.gguf"], "model file /no/model.gguf not found"),
+    ("model-missing", lambda f: ["eval", CONFIG, *f.tiny, "model.name=/data/models/qwen"],
+     E + "model '/data/models/qwen' not found: not a folder, not a .gguf file and not a hub id like Qwen/Qwen2.5-0.5B-Instruct"),
+    ("model-gguf-missing", lambda f: ["eval", CONFIG, *f.tiny, "model.name=/data/model.gguf"],
+     E + "model file /data/model.gguf not found; give the path of a .gguf file"),
     ("model-folder-no-config", lambda f: ["eval", CONFIG, *f.tiny, f"model.name={f.d}"], "has no config.json"),
     ("model-not-causal", lambda f: ["eval", CONFIG, *f.tiny, f"model.name={f.d / 't5'}"], "is not a causal language model"),
     ("model-no-chat-template", lambda f: ["eval", CONFIG, *f.tiny, f"model.name={f.d / 'nochat'}"],
@@ -137,15 +166,21 @@ ROWS = [
     ("mbpp-not-a-record", lambda f: ["eval", CONFIG, *f.tiny, *code(f.d / "mbpp_notrecord.jsonl")],
      "line 1 is not an MBPP record (needs task_id, text and test_list)"),
     ("code-bad-reward", lambda f: ["eval", CONFIG, *f.tiny, *code(f.d / "mbpp_notrecord.jsonl"), "task.options={reward: best}"],
-     "task option reward='best': expected 'all'"),
+     E + "task option reward='best': expected 'all' (every test passes) or 'fraction'"),
     ("code-unknown-task", lambda f: ["eval", CONFIG, *f.tiny, *code(f.d / "none.jsonl"), "task.name=apps"],
-     "unknown code task 'apps'"),
+     E + "unknown code task 'apps'; expected 'mbpp' or 'humaneval'"),
     ("gym-unknown-dataset", lambda f: ["eval", CONFIG, *f.tiny, "task.name=basic_arithmetik"],
-     "unknown reasoning_gym dataset 'basic_arithmetik'"),
-    ("gym-bad-option", lambda f: ["eval", CONFIG, *f.tiny, "task.options={bogus: 1}"], "bad options {'bogus': 1}"),
+     E + "unknown reasoning_gym dataset 'basic_arithmetik'; did you mean basic_arithmetic, bitwise_arithmetic, "
+     "decimal_arithmetic? e.g. basic_arithmetic, chain_sum, gsm_symbolic, countdown (106 in all, see "
+     "reasoning_gym.factory.DATASETS)"),
+    ("gym-bad-option", lambda f: ["eval", CONFIG, *f.tiny, "task.options={bogus: 1}"],
+     E + "bad options {'bogus': 1} for reasoning_gym dataset 'basic_arithmetic': BasicArithmeticDatasetConfig.__init__() got "
+     "an unexpected keyword argument 'bogus' (its options: min_terms, max_terms, min_digits, max_digits, operators, "
+     "allow_parentheses, allow_negation, format_style, whitespace)"),
     # environments
     ("env-import-error", lambda f: ["env-check", f"{f.d / 'broken_env.py'}:X"], "No module named 'no_such_dependency_xyz'"),
-    ("env-no-module", lambda f: ["env-check", "no_such_module:Env"], "cannot import module 'no_such_module'"),
+    ("env-no-module", lambda f: ["env-check", "my_pkg.envs:MyEnv"],
+     E + "cannot import module 'my_pkg.envs': ModuleNotFoundError: No module named 'my_pkg'"),
     ("env-no-class", lambda f: ["env-check", f"{f.d / 'envs.py'}:Nope"], "has no attribute 'Nope'"),
     ("task-env-import-error", lambda f: ["eval", CONFIG, *f.tiny, "task.kind=custom", "task.options={}",
                                          f"task.env={f.d / 'broken_env.py'}:X"], "cannot import module"),
@@ -162,10 +197,14 @@ ROWS = [
     ("resume-a-checkpoint", lambda f: ["train", "--resume", str(f.run / "checkpoints" / "iter_000001")],
      "iter_000001 is a checkpoint, not a run folder; give the run folder"),
     # command line
-    ("unknown-command", lambda f: ["trian", CONFIG], "invalid choice: 'trian'"),
-    ("unknown-flag", lambda f: ["eval", CONFIG, "--foo"], "unrecognized arguments: --foo; see marft eval --help"),
-    ("no-command", lambda f: [], "the following arguments are required: COMMAND"),
-    ("train-without-config", lambda f: ["train"], "marft train needs a config file"),
+    ("unknown-command", lambda f: ["trian", CONFIG],
+     E + "argument COMMAND: invalid choice: 'trian' (choose from 'eval', 'train', 'sweep', 'report', 'serve', 'env-check'); "
+     "see marft --help"),
+    ("unknown-flag", lambda f: ["eval", CONFIG, "--adpaters", "runs/duo/checkpoints/iter_000002/adapters"],
+     E + "unrecognized arguments: --adpaters runs/duo/checkpoints/iter_000002/adapters; see marft eval --help"),
+    ("no-command", lambda f: [], E + "the following arguments are required: COMMAND; see marft --help"),
+    ("train-without-config", lambda f: ["train"],
+     E + "marft train needs a config file (e.g. configs/duo_arithmetic.yaml) or --resume RUN_DIR"),
 ]
 
 
@@ -175,9 +214,15 @@ def test_bad_input_is_one_line_exit_2(f, capsys, row, args, message):
         pytest.skip("this machine has a GPU")
     if row == "engine-vllm-missing" and importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here")
+    if row in ("model-missing", "model-gguf-missing") and any(Path(p).exists() for p in ("/data/models/qwen", "/data/model.gguf")):
+        pytest.skip("the row's model path exists on this machine")
     rc = main(args(f))
     line = one_line_error(capsys)
-    assert rc == 2 and message in line, line
+    if message.startswith(E):  # the whole line, as docs/errors.md shows it
+        assert rc == 2 and line == message, line
+        assert_documented(line)
+    else:
+        assert rc == 2 and message in line, line
 
 
 def test_env_failing_conformance_exits_1(f, capsys):
@@ -263,7 +308,10 @@ def test_resume_of_a_missing_or_empty_run_folder(f, tmp_path, capsys):
 def test_new_run_into_a_folder_with_checkpoints(f, run, capsys):
     before = tree_hash(run)
     assert main(["train", CONFIG, *f.tiny, *f.vowel, f"output_dir={run}"]) == 2
-    assert f"continue it with --resume {run}" in one_line_error(capsys)
+    line = one_line_error(capsys)
+    assert line == (f"marft: error: run folder {run} already has checkpoints; continue it with --resume {run} "
+                    f"(in Python: MarftTrainer.resume({str(run)!r})) or choose another output_dir=..."), line
+    assert_documented(line, ((str(run), "runs/duo"),))
     assert tree_hash(run) == before
 
 
@@ -277,9 +325,11 @@ def test_a_run_another_process_trains_is_left_alone(f, run, capsys):
         assert holder.stdout.readline() == "held\n"
         before = tree_hash(run)
         assert main(["train", "--resume", str(run), "train.iterations=2"]) == 2
-        assert one_line_error(capsys) == (f"marft: error: run folder {run} is being trained by process {holder.pid} now; wait "
-                                          f"for it to end, or stop it with kill -TERM {holder.pid} (it saves a checkpoint "
-                                          "first), then run this again")
+        line = one_line_error(capsys)
+        assert line == (f"marft: error: run folder {run} is being trained by process {holder.pid} now; wait for it to end, "
+                        f"or stop it with kill -TERM {holder.pid} (it saves a checkpoint first), then run this again")
+        assert_documented(line, ((str(run), "runs/r"), (f"process {holder.pid}", "process 4242"),
+                                 (f"-TERM {holder.pid}", "-TERM 4242")))
         assert main(["train", CONFIG, *f.tiny, *f.vowel, f"output_dir={run}"]) == 2
         assert f"is being trained by process {holder.pid} now" in one_line_error(capsys)
         assert tree_hash(run) == before
@@ -339,6 +389,7 @@ def test_a_new_run_never_overwrites_an_earlier_runs_results(f, run, capsys):
     line = one_line_error(capsys)
     assert line == (f"marft: error: output_dir {run} already holds eval_final.json of an earlier run, which a new run would "
                     "overwrite, and no checkpoint to resume from; choose another output_dir=..., or move that run's files away first")
+    assert_documented(line, ((str(run), "runs/r"),))
     assert tree_hash(run) == before
     import marft
 

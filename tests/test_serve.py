@@ -123,6 +123,10 @@ def _post(server, body, key=None, path="/v1/chat/completions"):
     ({"model": "solver", "messages": chat("x"), "stop": 3}, None, 400, "stop"),
     ({"model": "solver", "messages": chat("word " * 3000)}, None, 400, "context_length_exceeded"),
     (b"[" * 100000 + b"]" * 100000, None, 400, None),  # was a 500: json's RecursionError is no ValueError
+    ({"messages": chat("x")}, None, 400, "missing_required_parameter"),  # no model: was a 404 for the model None
+    ({"model": "solver", "messages": chat("x"), "logprobs": "yes"}, None, 400, "logprobs"),
+    ({"model": "solver", "messages": chat("x"), "logprobs": True, "top_logprobs": 3}, None, 400, "top_logprobs"),
+    ({"model": "solver", "messages": chat("x"), "top_logprobs": 0}, None, 400, "top_logprobs"),  # needs logprobs: true
 ])
 def test_bad_requests_get_openai_errors_and_the_endpoint_goes_on(server, body, key, status, code_or_param):
     got, reply = _post(server, body, key)
@@ -145,6 +149,27 @@ def test_a_null_max_completion_tokens_leaves_max_tokens_in_force(server):
     assert ok == 200 and server.calls()[-1].sampling.max_new_tokens == 2  # the newer name wins
     got, reply = _post(server, {"model": "solver", "messages": chat("x"), "max_completion_tokens": -1, "max_tokens": 3})
     assert got == 400 and reply["error"]["param"] == "max_completion_tokens", reply
+
+
+def test_logprobs_are_the_recorded_behaviour_log_probabilities(server, capsys, monkeypatch):
+    """logprobs: true returns each sampled token with the log-probability the call records (the one
+    the learner's ratio starts from), streamed too; fields the endpoint does not apply are one warning."""
+    import marft.errors
+
+    monkeypatch.setattr(marft.errors, "WARNED", set())
+    client = openai.OpenAI(base_url=server.base_url("lp"), api_key=server.api_key)
+    r = client.chat.completions.create(model="solver", messages=chat("Calculate 1 + 2."), logprobs=True, top_logprobs=0,
+                                       seed=5, frequency_penalty=0.5)
+    (call,) = server.calls("lp")
+    content = r.choices[0].logprobs.content
+    assert [c.logprob for c in content] == call.logprobs and len(content) == len(call.response_ids)
+    assert "".join(c.token for c in content).startswith(call.text) and all(c.top_logprobs == [] for c in content)
+    assert client.chat.completions.create(model="solver", messages=chat("x")).choices[0].logprobs is None  # not asked
+    chunks = list(client.chat.completions.create(model="solver", messages=chat("Calculate 1 + 2."), logprobs=True,
+                                                 stream=True))
+    streamed = [c.logprob for k in chunks for ch in k.choices if ch.logprobs for c in ch.logprobs.content]
+    assert streamed == server.calls("lp")[-1].logprobs
+    assert capsys.readouterr().err.count("warning: the endpoint ignores frequency_penalty, seed") == 1
 
 
 def test_a_null_n_is_one_reply(server):
@@ -725,7 +750,8 @@ def test_a_streamed_tool_call_is_reassembled_by_the_openai_client(scripted, text
     assert final.finish_reason == "tool_calls" and final.message.content == r.message.content
     assert [(t.type, t.function.name, json.loads(t.function.arguments)) for t in final.message.tool_calls] == [
         (t.type, t.function.name, json.loads(t.function.arguments)) for t in r.message.tool_calls]
-    assert all(t.id.startswith("call_") for t in final.message.tool_calls)
+    assert all(len(t.id) == 9 and t.id.isalnum() for t in final.message.tool_calls)  # as Mistral's templates require
+    assert not {t.id for t in final.message.tool_calls} & {t.id for t in r.message.tool_calls}  # another call, other ids
     assert len([e for e in events if e.type == "tool_calls.function.arguments.done"]) == len(r.message.tool_calls)
     first, second = server.calls("tools")  # greedy: the same reply, recorded the same
     assert first.text == second.text == text and second.response_ids == first.response_ids

@@ -72,8 +72,10 @@ grid:
     ps: {{team.share_adapter: true, model.init_adapters: {{team: "duo/algorithm-${{algorithm}}__seed-${{seed}}/team"}}}}
   seed: [0, 3]
 """
-    sweep = load_sweep(write(tmp_path / "s.yaml", text.format(out=tmp_path / "out", base=ROOT / "configs/duo_arithmetic.yaml")))
+    sweep = load_sweep(write(tmp_path / "s.yaml", text.format(out=tmp_path / "out", base=ROOT / "configs/duo_arithmetic.yaml")),
+                       missing_ok=True)  # the adapter folders are not there: recorded, not refused
     assert sweep.common == ["train.iterations=2"]
+    assert sweep.runs[0].missing == [("planner", "duo/algorithm-marft__seed-0/adapters/planner")]
     first, *_, last = sweep.runs
     assert first.overrides == ["model.init_adapters={planner: duo/algorithm-marft__seed-0/adapters/planner}",
                                "train.algorithm=marft", "seed=0"]
@@ -496,3 +498,116 @@ def test_a_sweep_that_cannot_write_its_records_is_one_line(tmp_path):
         raise OSError(28, "No space left on device")
     with pytest.raises(UserError, match=r"sweep: cannot write in .*out \(No space left on device\); make room"):
         run_sweep(sweep, log=lambda m: None, execute=disk_full)
+
+
+def test_output_dir_on_the_command_line_sends_the_runs_there(tmp_path, monkeypatch, capsys):
+    """--output-dir DIR (relative to the current folder) replaces the file's output_dir: a sweep whose
+    file's folder holds complete runs (a shipped sweep's committed results) runs them afresh in DIR,
+    its lock, STOP, sweep.json and run folders there, the file's folder untouched; --dry-run lists the
+    states in DIR."""
+    import fcntl
+
+    import marft.experiments.sweep as sweep_module
+
+    monkeypatch.chdir(tmp_path)
+    text = "output_dir: {}\nbase: {}\ngrid: {{seed: [0, 1]}}\n".format(tmp_path / "results", ROOT / "configs/duo_arithmetic.yaml")
+    path = write(tmp_path / "s.yaml", text)
+    assert run_sweep(load_sweep(path), log=lambda m: None, execute=fake_executor([])) == 0  # the committed results
+    calls = []
+    monkeypatch.setattr(sweep_module, "_execute", fake_executor(calls))
+    assert main(["sweep", str(path)]) == 0 and calls == []  # all complete: nothing runs
+    capsys.readouterr()
+    committed = {p: p.stat().st_mtime_ns for p in (tmp_path / "results").rglob("*")}
+
+    assert main(["sweep", str(path), "--output-dir", "runs/again", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "seed-0  [new]" in out and "seed-1  [new]" in out and "2 runs in runs/again;" in out
+    assert not (tmp_path / "runs").exists()  # a dry run writes nothing
+
+    (tmp_path / "runs" / "again").mkdir(parents=True)
+    (tmp_path / "runs" / "again" / "STOP").write_text("")  # left from an earlier sweep there: removed
+    assert main(["sweep", str(path), "--output-dir", "runs/again"]) == 0
+    assert calls == [("seed-0", False), ("seed-1", False)]
+    again = tmp_path / "runs" / "again"
+    assert all((again / f"seed-{s}" / "eval_final.json").is_file() for s in (0, 1))
+    assert (again / ".sweep.lock").exists() and not (again / "STOP").exists()
+    plan = json.loads((again / "sweep.json").read_text())
+    assert [r["folder"] for r in plan["runs"]] == ["seed-0", "seed-1"] and {r["status"] for r in plan["runs"]} == {"complete"}
+    err = capsys.readouterr().err
+    assert "removed runs/again/STOP" in err and "in runs/again" in err and "Report: marft report runs/again" in err
+    assert committed == {p: p.stat().st_mtime_ns for p in (tmp_path / "results").rglob("*")}
+
+    assert main(["sweep", str(path), "--output-dir", "runs/again", "--dry-run"]) == 0
+    assert "seed-0  [complete]" in capsys.readouterr().out
+
+    # the STOP file and the lock are those of DIR, not of the file's output_dir
+    calls.clear()
+    stop = lambda cmd, log_path: (again.parent / "third" / "STOP").write_text("") or fake_executor(calls)(cmd, log_path)  # noqa: E731
+    monkeypatch.setattr(sweep_module, "_execute", stop)
+    assert main(["sweep", str(path), "--output-dir", str(again.parent / "third")]) == 1
+    assert calls == [("seed-0", False)] and f"stopped by {again.parent / 'third' / 'STOP'}" in capsys.readouterr().err
+    with open(again / ".sweep.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert main(["sweep", str(path), "--output-dir", "runs/again"]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and "another marft sweep is running in runs/again;" in lines[0]
+        assert main(["sweep", str(path)]) == 0  # the file's output_dir is another folder: not locked
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--output-dir", "s.yaml"], "sweep: --output-dir s.yaml is a file, not a folder; choose another --output-dir"),
+    (["--output-dir", ""], "sweep: --output-dir must be a folder, got nothing"),
+    (["--output-dir"], "argument --output-dir: expected one argument"),
+])
+def test_a_bad_output_dir_is_one_line(tmp_path, monkeypatch, capsys, args, message):
+    monkeypatch.chdir(tmp_path)
+    path = write(tmp_path / "s.yaml", "output_dir: out\nbase: {}\ngrid: {{seed: [0]}}\n".format(ROOT / "configs/duo_arithmetic.yaml"))
+    for dry in ([], ["--dry-run"]):
+        assert main(["sweep", str(path), *args, *dry]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.yaml"]
+
+
+def test_a_run_whose_init_adapters_are_not_there_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
+    """A run to be started afresh from an earlier sweep's adapters that are not there (run
+    checkpoints are not committed) is one line naming the run and the folder, before any run starts;
+    complete runs, and runs with a checkpoint to resume (they read none), are not checked. --dry-run
+    marks every such run on its line, then says the same line."""
+    import marft.experiments.sweep as sweep_module
+
+    monkeypatch.chdir(tmp_path)
+    text = ("output_dir: out\nbase: {}\noverrides:\n  model.init_adapters: {{planner: 'duo/seed-${{seed}}/planner'}}\n"
+            "grid: {{seed: [0, 1, 2, 3]}}\n").format(ROOT / "configs/duo_arithmetic.yaml")
+    path = write(tmp_path / "s.yaml", text)
+    (tmp_path / "duo" / "seed-0" / "planner").mkdir(parents=True)  # seeds 1-3: not made
+    (tmp_path / "out" / "seed-2").mkdir(parents=True)
+    (tmp_path / "out" / "seed-2" / "eval_final.json").write_text("{}")  # complete: needs nothing
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    calls = []
+    monkeypatch.setattr(sweep_module, "_execute", fake_executor(calls))
+    message = ("sweep run seed-1: model.init_adapters.planner names duo/seed-1/planner, a folder that does not exist; "
+               "make it first (run the sweep or the training that saves it) or point model.init_adapters at an "
+               "adapter folder that exists; 1 other run(s) lack theirs too")
+    assert main(["sweep", str(path)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"marft: error: {message}"]
+    assert calls == [] and before == {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+
+    assert main(["sweep", str(path), "--dry-run"]) == 2
+    out, err = capsys.readouterr()
+    assert "seed-0  [new]" in out and "seed-2  [complete]" in out and "4 runs in out;" in out
+    assert "seed-1  [new; model.init_adapters.planner duo/seed-1/planner does not exist]" in out
+    assert "seed-3  [new; model.init_adapters.planner duo/seed-3/planner does not exist]" in out
+    assert err.strip().splitlines() == [f"marft: error: {message}"]
+    assert before == {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+
+    # in another --output-dir every run is new: seed-2 is checked there too
+    assert main(["sweep", str(path), "--output-dir", "fresh", "--dry-run"]) == 2
+    assert "seed-2  [new; model.init_adapters.planner duo/seed-2/planner" in capsys.readouterr().out
+
+    # seeds 1 and 3 with a checkpoint resume from it (init_adapters unread): the sweep goes
+    for seed in (1, 3):
+        (tmp_path / "out" / f"seed-{seed}" / "checkpoints" / "iter_000001").mkdir(parents=True)
+        (tmp_path / "out" / f"seed-{seed}" / "checkpoints" / "latest").write_text("iter_000001")
+    assert main(["sweep", str(path)]) == 0
+    assert calls == [("seed-0", False), ("seed-1", True), ("seed-3", True)]

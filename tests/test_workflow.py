@@ -155,6 +155,103 @@ def test_failing_hanging_and_idle_workflows_fail_alone(duo):
     assert [t.episodes.tolist() for t in kept.turns] == [[0, 1]]
 
 
+class SlowPlanner:
+    """The engine, but the planner's batches take 1.5 s (a large model), so that a client may give up."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def generate(self, agent, chats, sampling, generator):
+        if agent == "planner":
+            time.sleep(1.5)
+        return self.engine.generate(agent, chats, sampling, generator)
+
+
+def test_calls_the_program_did_not_wait_for_are_not_its_episodes(duo):
+    """Episode 0 returns, leaving a thread that calls the planner after: that call is refused (400,
+    episode_ended) and recorded nowhere. Episode 1 gives up on its planner call (its own 0.5 s
+    timeout) and asks the solver without a plan: the planner's call, generated all the same, is not
+    part of its episode. Episode 2's reward hangs: it fails alone, after reward_timeout_s."""
+    import threading
+
+    import openai
+
+    team, models, engine = duo
+    late: list = []
+
+    def workflow(problem, client):
+        i = problem["index"]
+        ask = {"messages": [{"role": "user", "content": problem["prompt"]}]}
+        if i == 1:
+            try:
+                client.with_options(timeout=0.5).chat.completions.create(model="planner", **ask)
+            except openai.APITimeoutError:
+                pass
+        else:
+            client.chat.completions.create(model="planner", **ask)
+        text = client.chat.completions.create(model="solver", **ask).choices[0].message.content
+        if i == 0:
+            def after():
+                time.sleep(0.3)
+                try:
+                    client.chat.completions.create(model="planner", **ask)
+                except openai.BadRequestError as e:
+                    late.append(e.code)
+            t = threading.Thread(target=after)
+            t.start()
+            late.append(t)
+        return text
+
+    def reward(answer, problem):
+        if problem["index"] == 2:
+            time.sleep(30)
+        return 1.0
+
+    problems, _ = problems_of(team, 3)
+    t0 = time.monotonic()
+    with serve_team(models, team, SlowPlanner(engine), SAMPLING) as server:
+        out = play_workflows(team, server, workflow, problems, reward, timeout_s=20, reward_timeout_s=1)
+        late[0].join(10)
+    assert time.monotonic() - t0 < 15
+    assert late[1:] == ["episode_ended"]
+    assert out.failed.tolist() == [False, False, True] and "reward function timed out" in out.infos[2]["error"]
+    assert [(t.step, t.agent, t.episodes.tolist()) for t in out.turns] == [
+        (0, "planner", [0, 2]), (0, "solver", [0, 1, 2])]  # episode 1's planner call is not its own
+
+
+def test_an_abandoned_async_workflow_is_cancelled(duo):
+    """An async workflow that retries for ever (every call refused) runs past its time: its episode
+    fails, and its task is cancelled at its next await, so its thread ends instead of calling on."""
+    import asyncio
+    import threading
+
+    team, models, engine = duo
+    tries = []
+
+    async def workflow(problem, client):
+        ask = {"messages": [{"role": "user", "content": problem["prompt"]}]}
+        if problem["index"] == 1:
+            while True:
+                try:
+                    await client.chat.completions.create(model="critic", **ask)  # no such agent: a 404
+                except Exception:  # noqa: BLE001 - a program that swallows everything
+                    tries.append(1)
+                    await asyncio.sleep(0.01)
+        await client.chat.completions.create(model="planner", **ask)
+        return (await client.chat.completions.create(model="solver", **ask)).choices[0].message.content
+
+    problems, _ = problems_of(team, 2)
+    with serve_team(models, team, engine, SAMPLING) as server:
+        out = play_workflows(team, server, workflow, problems, lambda a, p: 1.0, timeout_s=8)
+    assert out.failed.tolist() == [False, True] and "timeout" in out.infos[1]["error"] and tries, out.infos
+    deadline = time.monotonic() + 10
+    while any(t.name == "marft-workflow-1" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(t.name == "marft-workflow-1" for t in threading.enumerate())
+
 
 def test_64_concurrent_episodes_are_one_batch_per_agent(duo):
     team, models, engine = duo

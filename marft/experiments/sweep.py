@@ -21,7 +21,9 @@ characters other than letters, digits and ``_.+-`` become ``_``, and an axis nam
 than 40 characters (a name longer than 150) is cut to its start and a hash of the whole: the same
 every time, and what ``--dry-run`` lists. Two runs whose names would be the same folder (values
 ``'Say hi!'`` and ``'Say hi?'``) are an error: give them labels (a mapping ``label: value``).
-Before anything runs, every run's config is loaded and checked, so a wrong key fails the sweep at once.
+Before anything runs, every run's config is loaded and checked, so a wrong key fails the sweep at once;
+so does a run to be started afresh whose ``model.init_adapters`` names a folder that does not exist
+(an earlier sweep's run not made yet: complete runs, and runs resumed from a checkpoint, read none).
 A value may name the run's labels: ``${seed}``, ``${algorithm}`` (any axis of its grid) become the
 run's label on that axis, in ``overrides`` as in a grid's values, e.g. ``model.init_adapters:
 {solver: results/duo/algorithm-${algorithm}__seed-${seed}/checkpoints/iter_000050/adapters/solver}``
@@ -46,6 +48,11 @@ complete); run it again to continue. The sweep removes a ``STOP`` it finds when 
 file only ever stops the sweep that is running. Ctrl-C in its terminal (SIGINT to the whole
 process group) instead stops the runs in progress at the end of their iteration, each with a
 checkpoint to resume from; so does SIGTERM to the sweep (it passes the signal on to its runs).
+
+``marft sweep FILE --output-dir DIR`` runs the sweep in ``DIR`` (relative to the current folder, as
+the file's ``output_dir:`` is) instead: its runs, ``sweep.json``, ``STOP`` and lock all go there, and
+``--dry-run`` lists the runs' states there (the shipped sweep files' output_dirs hold the committed
+results, whose complete runs a sweep skips).
 """
 from __future__ import annotations
 
@@ -78,6 +85,7 @@ class Run:
     overrides: list[str]  # key=value, after the sweep's common overrides
     status: str = "pending"  # pending | complete | failed (exit N) | running
     seconds: float = 0.0
+    missing: list[tuple[str, str]] = field(default_factory=list)  # (adapter, folder) of model.init_adapters not there
 
 
 @dataclass
@@ -89,6 +97,11 @@ class Sweep:
     threads: int
     common: list[str]
     runs: list[Run] = field(default_factory=list)
+    output_dir_given: bool = False  # --output-dir, not the file's output_dir:
+
+    def elsewhere(self) -> str:
+        """How to send the runs to another folder, for an error's last words."""
+        return "choose another --output-dir" if self.output_dir_given else f"choose another output_dir in {self.path} (or give --output-dir)"
 
 
 def _as_overrides(value, where: str) -> list[str]:
@@ -159,8 +172,11 @@ def _axis(name: str, values, where: str) -> list[tuple[str, list[str]]]:
     raise UserError(f"sweep: {where}.{name} must be a list of values or a mapping label -> overrides, got {values!r}")
 
 
-def load_sweep(path: str | Path) -> Sweep:
-    """Read and check a sweep file: every run's config is loaded (and so validated) here."""
+def load_sweep(path: str | Path, output_dir: str | Path | None = None, missing_ok: bool = False) -> Sweep:
+    """Read and check a sweep file: every run's config is loaded (and so validated) here, and a run
+    to start afresh whose ``model.init_adapters`` folders are not all there is refused
+    (:func:`check_inputs`; with ``missing_ok`` only recorded in its ``missing``, for ``--dry-run``).
+    ``output_dir``: where the runs go instead of the file's ``output_dir:`` (``--output-dir``)."""
     from ..run.config import load_config, read_yaml
 
     p = Path(path)
@@ -171,9 +187,14 @@ def load_sweep(path: str | Path) -> Sweep:
     if "base" not in data or "output_dir" not in data:
         raise UserError(f"sweep file {p} needs base: (a config file) and output_dir: (where the runs go)")
     base = Path(_path(data["base"], "base", p))
-    output_dir = Path(_path(data["output_dir"], "output_dir", p))
+    from_file = Path(_path(data["output_dir"], "output_dir", p))
+    if output_dir is not None and not str(output_dir).strip():
+        raise UserError("sweep: --output-dir must be a folder, got nothing; give one, e.g. --output-dir runs/my_sweep")
+    given = output_dir is not None
+    output_dir = Path(output_dir) if given else from_file
     if output_dir.exists() and not output_dir.is_dir():
-        raise UserError(f"sweep file {p}: output_dir {output_dir} is a file, not a folder; choose another output_dir")
+        raise UserError(f"sweep: --output-dir {output_dir} is a file, not a folder; choose another --output-dir" if given else
+                        f"sweep file {p}: output_dir {output_dir} is a file, not a folder; choose another output_dir")
     if not base.is_absolute():
         base = (p.parent / base) if (p.parent / base).is_file() else base
     if not base.is_file():
@@ -186,7 +207,7 @@ def load_sweep(path: str | Path) -> Sweep:
         raise UserError(f"sweep file {p}: parallel must be a positive integer and threads 0 or more")
     common = _as_overrides(data.get("overrides"), "overrides")
     templated = [o for o in common if "${" in o]  # filled per run (their labels), before the grid's own
-    sweep = Sweep(p, output_dir, base, parallel, threads, [o for o in common if "${" not in o])
+    sweep = Sweep(p, output_dir, base, parallel, threads, [o for o in common if "${" not in o], output_dir_given=given)
     seen: dict[str, Run] = {}
     for gi, grid in enumerate(grids):
         axes = [(str(name), _axis(str(name), values, f"grids.{gi}")) for name, values in grid.items()]
@@ -201,13 +222,38 @@ def load_sweep(path: str | Path) -> Sweep:
     sweep.runs = list(seen.values())
     for run in sweep.runs:
         if run.folder.exists() and not run.folder.is_dir():
-            raise UserError(f"sweep run {run.name}: its folder {run.folder} is a file; move it away or choose another output_dir")
+            raise UserError(f"sweep run {run.name}: its folder {run.folder} is a file; move it away or {sweep.elsewhere()}")
     for run in sweep.runs:
         try:
-            load_config(sweep.base, [*sweep.common, *run.overrides, f"output_dir={run.folder}"])
+            cfg = load_config(sweep.base, [*sweep.common, *run.overrides, f"output_dir={run.folder}"])
         except UserError as e:
             raise UserError(f"sweep run {run.name}: {e}") from None
+        run.missing = _missing_inputs(cfg, run.folder)
+    if not missing_ok:
+        check_inputs(sweep)
     return sweep
+
+
+def _missing_inputs(cfg, folder: Path) -> list[tuple[str, str]]:
+    """(adapter, folder) of each ``model.init_adapters`` folder that is not there, for a run that
+    would start afresh (``marft train`` reads them then only: a complete run needs nothing, a run with
+    a checkpoint resumes from it). A relative folder is relative to the current folder, as the runs'."""
+    if not cfg.model.init_adapters or run_state(folder) != "new":
+        return []
+    return [(a, str(f)) for a, f in cfg.model.init_adapters.items() if not Path(f).is_dir()]
+
+
+def check_inputs(sweep: Sweep) -> None:
+    """One line for the first run that cannot start (a ``model.init_adapters`` folder not there),
+    before anything runs: otherwise it would fail minutes in, each such run in turn."""
+    lacking = [r for r in sweep.runs if r.missing]
+    if not lacking:
+        return
+    run, (adapter, folder) = lacking[0], lacking[0].missing[0]
+    others = f"; {len(lacking) - 1} other run(s) lack theirs too" if len(lacking) > 1 else ""
+    raise UserError(f"sweep run {run.name}: model.init_adapters.{adapter} names {folder}, a folder that does not exist; "
+                    f"make it first (run the sweep or the training that saves it) or point model.init_adapters at an "
+                    f"adapter folder that exists{others}")
 
 
 def _fill(overrides: list[str], labels: dict[str, str], where: str) -> list[str]:
@@ -316,7 +362,7 @@ def run_sweep(sweep: Sweep, log=print, execute=None) -> int:
         lock = open(sweep.output_dir / ".sweep.lock", "a")
     except OSError as e:
         raise UserError(f"cannot write to the sweep's output_dir {sweep.output_dir} ({e.strerror}); "
-                        f"choose another output_dir in {sweep.path}") from None
+                        f"{sweep.elsewhere()}") from None
     with lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -342,7 +388,7 @@ def _run(sweep: Sweep, log, execute) -> int:
         _write_plan(sweep)
     except OSError as e:
         raise UserError(f"cannot write the sweep's plan to {sweep.output_dir / 'sweep.json'} ({e.strerror}); "
-                        f"choose another output_dir in {sweep.path}") from None
+                        f"{sweep.elsewhere()}") from None
     stop_file = sweep.output_dir / "STOP"
     if stop_file.exists():
         stop_file.unlink()
@@ -498,7 +544,7 @@ def stop_runs(signum=None, frame=None) -> None:
 
 
 def cmd_sweep(args) -> int:
-    sweep = load_sweep(args.sweep)
+    sweep = load_sweep(args.sweep, args.output_dir, missing_ok=args.dry_run)
     if args.parallel is not None:
         if args.parallel < 1:
             raise UserError(f"--parallel must be at least 1, got {args.parallel}")
@@ -508,9 +554,12 @@ def cmd_sweep(args) -> int:
             raise UserError(f"--threads must be 0 (the cores divided among the runs) or more, got {args.threads}")
         sweep.threads = args.threads
     if args.dry_run:
-        for run in sweep.runs:
-            print(f"{run.name}  [{run_state(run.folder)}]  {' '.join(run.overrides)}")
+        for run in sweep.runs:  # a run that cannot start says so on its line: all of them, not the first only
+            missing = (f"; model.init_adapters.{run.missing[0][0]} {run.missing[0][1]} does not exist"
+                       + (f" (and {len(run.missing) - 1} more)" if len(run.missing) > 1 else "")) if run.missing else ""
+            print(f"{run.name}  [{run_state(run.folder)}{missing}]  {' '.join(run.overrides)}")
         print(f"{len(sweep.runs)} runs in {sweep.output_dir}; base {sweep.base} with {' '.join(sweep.common)}")
+        check_inputs(sweep)  # then the sweep's own one-line error, and status 2, as the sweep would
         return 0
     previous = signal.signal(signal.SIGTERM, stop_runs)
     try:

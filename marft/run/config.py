@@ -90,8 +90,11 @@ class AgentConfig:
 @dataclass
 class TeamConfig:
     preset: str = "duo"
-    """Fills in ``agents`` when they are not given: solo, duo, trio, quartet, or the same with
-    ``-anon`` (anonymous roles, "You are agent k of n")."""
+    """Fills in ``agents`` when they are not given: solo, duo, trio, quartet; coop2, coop3, coop4
+    (1-3 speakers and a solver, for ``task.kind: coop``); code-solo (coder), code-duo (coder,
+    tester), code-trio (planner, coder, tester), for ``task.kind: code``; or any of these with
+    ``-anon`` (anonymous roles, "You are agent k of n"), e.g. ``duo-anon`` (``marft/team.py``,
+    ``PRESETS``)."""
     agents: list[AgentConfig] = field(default_factory=list)
     graph: Any = "chain"
     """Who sees whom within a step: ``chain`` (each agent sees all earlier ones), ``parallel``
@@ -110,7 +113,8 @@ class TaskConfig:
     """``reasoning_gym`` (procedural, no files), ``math`` (GSM8K/MATH-shaped files), ``code``
     (MBPP / HumanEval, run in a sandbox), ``coop`` (cooperative tasks split between the agents, see
     :mod:`marft.envs.coop`), ``dataset`` (a data set + a reward function, see
-    :mod:`marft.envs.dataset`) or ``custom``."""
+    :mod:`marft.envs.dataset`), ``workflow`` (your own agent program that calls the team's agents,
+    see ``task.workflow``) or ``custom`` (your own environment class, see ``task.env``)."""
     name: str = "basic_arithmetic"
     """reasoning_gym: the dataset name (``basic_arithmetic``, ``chain_sum``, ``gsm_symbolic`` ...);
     code: ``mbpp`` or ``humaneval``; coop: ``sum`` or ``lookup``."""

@@ -27,20 +27,19 @@ episode with ``failed[e] = True`` and the error text in ``infos[e]["error"]``; t
 failed episodes out of the update and counts them. A timed-out call is abandoned and an exception
 is raised inside it (Python code stops at its next bytecode; a call blocked inside C code, such as
 a socket read, stops when that returns). To make this possible every such call runs in a worker
-thread (:func:`_guarded`): one at a time, or all episodes at once for environments with
+thread (:func:`marft.envs.guard.guarded`): one at a time, or all episodes at once for environments with
 ``concurrent_steps``.
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import threading
 import time
 from typing import Callable
 
 import torch
 
 from ..envs.base import TeamEnv
+from ..envs.guard import describe, guarded
 from ..engines.base import Engine, Reply, pack
 from ..engines.hf import HFEngine
 from ..engines.generation import Sampling
@@ -49,54 +48,6 @@ from ..serving.workflow import workflow_rollout
 from ..team import Team, agent_messages
 from ..turns import Rollout, Turn
 from .config import RunConfig, horizon, is_workflow
-
-
-class EpisodeTimeout(BaseException):
-    """Raised inside an environment call that ran past ``env_timeout_s`` (a BaseException, so that
-    an environment's own ``except Exception`` does not swallow it)."""
-
-
-def _raise_in(thread_id: int) -> None:
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(EpisodeTimeout))
-
-
-def _describe(e: BaseException, timeout: float) -> str:
-    if isinstance(e, EpisodeTimeout):
-        return f"timed out after {timeout:g} s (rollout.env_timeout_s)"
-    return f"{type(e).__name__}: {e}"[:300]
-
-
-def _call_threads(fns: list, timeout: float) -> list[str | None]:
-    """Each ``fn()`` in its own daemon thread, all at once; waits at most ``timeout`` for each."""
-    errors: list[str | None] = ["did not finish"] * len(fns)
-
-    def work(i, fn):
-        try:
-            fn()
-            errors[i] = None
-        except BaseException as e:  # noqa: BLE001 (EpisodeTimeout included)
-            errors[i] = _describe(e, timeout)
-
-    threads = [threading.Thread(target=work, args=(i, fn), daemon=True) for i, fn in enumerate(fns)]
-    deadline = time.monotonic() + timeout
-    for t in threads:
-        t.start()
-    result: list[str | None] = []
-    for i, t in enumerate(threads):
-        t.join(max(0.0, deadline - time.monotonic()))
-        if t.is_alive():
-            _raise_in(t.ident)  # abandoned: stop it where Python code allows
-            result.append(_describe(EpisodeTimeout(), timeout))
-        else:
-            result.append(errors[i])
-    return result
-
-
-def _guarded(fns: list, concurrent: bool, timeout: float) -> list[str | None]:
-    """Run environment calls, each failure confined to its own episode (see the module docstring)."""
-    if concurrent:
-        return _call_threads(fns, timeout)
-    return [_call_threads([fn], timeout)[0] for fn in fns]
 
 
 EpisodeRunner = Callable[..., Rollout]
@@ -216,7 +167,7 @@ class _Batch:
 
     def reset(self) -> None:
         """Every environment reset to its ``(seed, options)``; one that fails fails its episode."""
-        errors = _guarded([lambda env=env, r=r: env.reset(seed=r[0], options=r[1])
+        errors = guarded([lambda env=env, r=r: env.reset(seed=r[0], options=r[1])
                            for env, r in zip(self.envs, self.resets)], self.concurrent, self.timeout)
         for e, err in enumerate(errors):
             self.fail(e, err)
@@ -230,7 +181,7 @@ class _Batch:
 
     def step(self, episodes: list[int], texts: list[str], concurrent: bool) -> list[str | None]:
         """Each episode's environment stepped with its reply (guarded); each one's error or None."""
-        return _guarded([lambda env=self.envs[e], x=text: env.step(x) for e, text in zip(episodes, texts)],
+        return guarded([lambda env=self.envs[e], x=text: env.step(x) for e, text in zip(episodes, texts)],
                         concurrent, self.timeout)
 
     def prompt(self, e: int, agent) -> tuple[str, list[dict]] | None:
@@ -243,7 +194,7 @@ class _Batch:
                     "environments must follow the agent order they were built with (check with marft env-check)")
             return env.state(), agent_messages(agent, env.observe(agent.name), self.replies[e])
         except Exception as err:  # noqa: BLE001
-            self.fail(e, _describe(err, self.timeout))
+            self.fail(e, describe(err, self.timeout))
             return None
 
     def end_step(self, e: int, t: int) -> None:

@@ -9,7 +9,8 @@ reply's ids and their behaviour log-probabilities, truncation and time, in call 
 
 Episodes: a program given ``server.base_url(episode)`` (``.../episodes/<episode>/v1``) has its
 calls recorded under that episode (:meth:`TeamServer.calls`); ``.../v1`` alone records under
-``"default"``.
+``"default"``. After :meth:`TeamServer.close_episode` (its workflow returned) an episode's waiting
+and later requests are refused (400, code ``episode_ended``) and none of its calls is recorded.
 
 Batching: requests are collected and generated together, one batch per agent and sampling
 setting, by one worker (the engine runs one batch at a time). A batch starts when ``ready(waiting)``
@@ -40,7 +41,10 @@ the run's temperature and top_p, which the learner's log-probabilities assume, w
 engine ends the reply at the token that completes one, as vLLM does, and the recorded call keeps the
 tokens up to it with their log-probabilities; the content returned ends before the stop string,
 ``finish_reason`` "stop", as OpenAI's; requests with other stop strings are other batches);
-everything else is the run's.
+``logprobs: true`` returns each sampled token's text and behaviour log-probability (what the call
+records; ``top_logprobs`` above 0 is a 400: the alternatives are not kept); ``logit_bias``,
+``frequency_penalty``, ``presence_penalty`` and ``seed`` are accepted and not applied, with one
+warning; everything else is the run's.
 
 Tools (:mod:`marft.serving.tool_calls`): a request's ``tools`` are shown to the model (not with ``tool_choice``
 "none"; "auto" is the other one accepted, a forced call is a 400), by the chat template where it
@@ -48,7 +52,9 @@ renders tools itself, else as a system paragraph in the Hermes / Qwen2.5 convent
 message's ``tool_calls`` (its content may be null) and ``role: "tool"`` results are rendered the same
 way (as ``<tool_call>`` and ``<tool_response>`` text without such a template). The reply's
 ``<tool_call>`` blocks that name one of the request's functions with JSON arguments come back as
-``message.tool_calls`` (``finish_reason`` "tool_calls"), the rest of the text as the content; the
+``message.tool_calls`` (``finish_reason`` "tool_calls"; ids of 9 letters and digits, as Mistral's
+templates require, the same for the same episode and call in every run: a hash of them, in
+``marft serve`` with the server's key), the rest of the text as the content; the
 recorded call keeps the prompt's ids as the engine rendered them and the reply's tokens as sampled,
 blocks included: the learner trains on the calls as the model wrote them.
 
@@ -70,7 +76,7 @@ Errors are OpenAI-shaped
 JSON (``{"error": {"message", "type", "param", "code"}}``) with a 4xx status, never a crash of the
 run: a wrong or missing key (401), an unknown model or path (404), a wrong method (405), a malformed
 body (malformed ``tools``, ``tool_choice`` or ``stream_options`` included, and ``stream_options``
-without ``stream: true``, as OpenAI's; JSON nested too deeply), ``n`` other than 1, messages the agent's
+without ``stream: true``, as OpenAI's; JSON nested too deeply; no ``model``), ``n`` other than 1, messages the agent's
 chat template cannot render (that request alone, not its batch) or a prompt longer than the model's
 context (vLLM's ``max_model_len`` where shorter) (400). A field sent as ``null`` is a field not sent
 (``n: null`` is 1, ``max_completion_tokens: null`` leaves ``max_tokens`` in force). A host that is not
@@ -84,6 +90,7 @@ import contextlib
 import json
 import queue
 import errno
+import hashlib
 import secrets
 import socket
 import threading
@@ -117,6 +124,8 @@ class Call:
     round: int = 0  # the episode's batches whose replies it had when it made the call (see TeamServer)
     seq: int = -1  # its place among the episode's calls as its client made them (-1: not stamped)
     version: int | None = None  # the adapter version that answered it (asynchronous training); None: the current one
+    stamped: bool = False  # round and seq came from its client (x-marft-round, x-marft-seq)
+    tokens: list[str] | None = None  # each response token's text, where the request asked for logprobs
 
 
 @dataclass
@@ -133,6 +142,8 @@ class _Pending:
     round: int = 0  # as Call.round
     seq: int = -1  # as Call.seq
     answered: int = 0  # the episode's batch that answers it (1, 2, ...): its reply's x-marft-round header
+    stamped: bool = False  # as Call.stamped
+    logprobs: bool = False  # the request asked for its tokens' log-probabilities
 
 
 class _Refused(Exception):
@@ -172,6 +183,7 @@ class TeamServer:
         self._calls: dict[str, list[Call]] = {}
         self._counts: dict[str, int] = {}
         self._rounds: dict[str, int] = {}  # episode -> its batches answered so far
+        self._closed: set[str] = set()  # episodes that ended (close_episode): their calls are refused, not recorded
         self._pending: list[_Pending] = []
         self._lock = threading.Lock()  # the records, read from other threads
         self._jobs: queue.Queue | None = None  # while a thread pumps: the batches it is to generate
@@ -295,6 +307,23 @@ class TeamServer:
                 future = loop.run_in_executor(None, fn, *args)
         return await future
 
+    def close_episode(self, episode: str | int) -> None:
+        """``episode`` has ended (its workflow returned, or was abandoned): its requests still waiting
+        and any it sends later are refused (400), and none of its calls is recorded any more."""
+        episode = str(episode)
+        with self._lock:
+            self._closed.add(episode)
+        self._in_loop(self._refuse_closed)
+
+    def _refuse_closed(self) -> None:
+        keep = []
+        for p in self._pending:
+            if p.episode in self._closed:
+                _settle(p.future, None, _ended(p.episode))
+            else:
+                keep.append(p)
+        self._pending = keep
+
     def forget(self, episode: str | int) -> None:
         with self._lock:
             self._calls.pop(str(episode), None)
@@ -384,6 +413,9 @@ class TeamServer:
         if not isinstance(body, dict):
             raise _Refused(400, "the request body must be a JSON object")
         agent = body.get("model")
+        if agent is None:
+            raise _Refused(400, f"you must provide a model parameter: one of this team's agents, {', '.join(self.team.names)}",
+                           param="model", code="missing_required_parameter")
         if agent not in self.team.names:
             raise _Refused(404, f"The model {agent!r} does not exist: this team's models are its agents, "
                                 f"{', '.join(self.team.names)}", param="model", code="model_not_found")
@@ -398,8 +430,16 @@ class TeamServer:
         stop = _stop_strings(body.get("stop"))
         if stop:  # the engine ends the reply at the token completing one (the run's own stop strings still count)
             sampling = replace(sampling, stop=tuple(dict.fromkeys(sampling.stop + stop)))
+        want_logprobs = _logprobs(body.get("logprobs"), body.get("top_logprobs"))
+        ignored = [k for k in _IGNORED if body.get(k) is not None]
+        if ignored:
+            warn_once(f"warning: the endpoint ignores {', '.join(ignored)} (the replies are sampled from the agent's "
+                      "policy as it is, which training's log-probabilities assume); said once per process",
+                      key="ignored_fields")
         episode = request.path_params.get("episode", "default")
         with self._lock:
+            if episode in self._closed:
+                raise _ended(episode)
             index = self._counts.get(episode, 0)
             self._counts[episode] = index + 1
             round_ = self._rounds.get(episode, 0)
@@ -408,24 +448,41 @@ class TeamServer:
         chat = tool_calls.chat(messages, tools, self.tokenizer(agent), response_format)
         pending = _Pending(episode, index, agent, messages, chat, sampling, time.monotonic(),
                            asyncio.get_running_loop().create_future(), stop,
-                           *(stamp if stamp is not None else (round_, index)))
+                           *(stamp if stamp is not None else (round_, index)), stamped=stamp is not None,
+                           logprobs=want_logprobs)
         self._pending.append(pending)
         self._wake.set()
         call: Call = await pending.future
         request.state.answered = pending.answered
         message, finish = {"role": "assistant", "content": call.text}, "length" if call.truncated else "stop"
         if tools:  # the call keeps the reply's tokens as sampled: the learner trains on the calls as written
-            content, calls = tool_calls.parse(call.text, {t["function"]["name"] for t in tools})
+            content, calls = tool_calls.parse(call.text, {t["function"]["name"] for t in tools},
+                                              self._call_ids(episode, index))
             if calls:
                 message, finish = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+        logprobs = None
+        if want_logprobs:  # the behaviour log-probabilities of the sampled tokens (those the learner records)
+            logprobs = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
+                                    for t, lp in zip(call.tokens or [], call.logprobs)], "refusal": None}
         response = {
             "id": f"chatcmpl-{episode}-{index}", "object": "chat.completion", "created": int(time.time()),
             "model": agent,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}],
             "usage": {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(call.response_ids),
                       "total_tokens": len(call.prompt_ids) + len(call.response_ids)},
         }
         return response if stream is None else _events(_chunks(response, **stream))
+
+    def _call_ids(self, episode: str, index: int) -> Callable[[int], str]:
+        """The ids of a reply's tool calls: 9 letters and digits (what Mistral's templates require),
+        the same for the same episode and call in every run of a seed (the ids are in later messages,
+        which order a batch); a served endpoint mixes in its key, so that two servers' ids differ."""
+        salt = "" if self.fixed_sampling else self.api_key
+
+        def make(k: int) -> str:
+            n = int.from_bytes(hashlib.sha256(f"{salt}/{episode}/{index}/{k}".encode()).digest()[:8], "big")
+            return "".join(_ALNUM[(n // 62 ** i) % 62] for i in range(9))
+        return make
 
     def _sampling(self, agent: str, body: dict) -> Sampling:
         cap = self.team[agent].max_new_tokens or self.sampling.max_new_tokens
@@ -502,12 +559,12 @@ class TeamServer:
                                                         kind="server_error"))
                     continue
                 for p, call in zip(group, out):
-                    if isinstance(call, _Refused):
-                        p.future.set_exception(call)
-                        continue
                     with self._lock:
-                        self._calls.setdefault(p.episode, []).append(call)
-                    p.future.set_result(call)
+                        if p.episode in self._closed and not isinstance(call, _Refused):
+                            call = _ended(p.episode)  # the episode ended while this was generated
+                        if not isinstance(call, _Refused):
+                            self._calls.setdefault(p.episode, []).append(call)
+                    _settle(p.future, None if isinstance(call, _Refused) else call, call if isinstance(call, _Refused) else None)
             if self._pending:
                 self._wake.set()
 
@@ -545,6 +602,7 @@ class TeamServer:
         self.gen_flops += self.engine.flops(agent, out)
         self.batches.append((agent, len(group)))
         done = time.monotonic()
+        tok = self.tokenizer(agent) if any(p.logprobs for p in group) else None
         calls = []
         for row, p in enumerate(group):
             prompt = out.prompt_ids[row][out.prompt_mask[row]].tolist()
@@ -552,7 +610,9 @@ class TeamServer:
             calls.append(Call(p.episode, p.index, agent, p.messages, prompt, out.response_ids[row][mask].tolist(),
                               out.logprobs[row][mask].tolist(), bool(out.truncated[row]),
                               _before_stop(out.texts[row], p.stop), sampling, p.started, done - p.started,
-                              p.round, p.seq, getattr(out, "version", None)))
+                              p.round, p.seq, getattr(out, "version", None), p.stamped))
+            if p.logprobs:  # each token's text, decoded here: the tokenizer is used in this thread only
+                calls[-1].tokens = [tok.decode([i]) for i in calls[-1].response_ids]
         return calls
 
 
@@ -563,6 +623,32 @@ def _stamp(headers) -> tuple[int, int] | None:
     except (KeyError, ValueError):
         return None
     return (round_, seq) if round_ >= 0 and seq >= 0 else None
+
+
+_IGNORED = ("logit_bias", "frequency_penalty", "presence_penalty", "seed")  # accepted, not applied (one warning)
+_ALNUM = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def _ended(episode: str) -> _Refused:
+    return _Refused(400, f"episode {episode} has ended (its workflow returned, or ran past its time): a call made after "
+                         "that is not part of it; wait for every call's reply before the workflow returns",
+                    code="episode_ended")
+
+
+def _logprobs(logprobs, top) -> bool:
+    """A request's ``logprobs`` (true: the sampled tokens' log-probabilities) and ``top_logprobs``
+    (only 0: the alternatives are not kept), or a 400."""
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise _Refused(400, f"logprobs must be true or false, got {logprobs!r}", param="logprobs")
+    if top is not None:
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
+            raise _Refused(400, f"top_logprobs must be a whole number 0-20, got {top!r}", param="top_logprobs")
+        if top > 0:
+            raise _Refused(400, "top_logprobs is not supported: marft's endpoint returns the sampled tokens' "
+                                "log-probabilities (logprobs: true), not the alternatives", param="top_logprobs")
+        if not logprobs:
+            raise _Refused(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    return bool(logprobs)
 
 
 def messages_key(messages: list[dict]) -> str:
@@ -772,7 +858,7 @@ def _events(chunks: list[dict]) -> _Events:
 
 def _chunks(response: dict, include_usage: bool = False) -> list[dict]:
     """A ``chat.completion`` ``response`` as the ``chat.completion.chunk`` objects OpenAI streams, all
-    at once: the role with the whole content, each tool call whole (its own chunk, with its
+    at once: the role with the whole content (and the log-probabilities, where asked), each tool call whole (its own chunk, with its
     ``index``; the first in the role's chunk, content null, when the reply is only tool calls), an
     empty delta with the finish reason, then, with ``include_usage``, ``choices: []`` with the usage
     (the other chunks then carry ``usage: null``, as OpenAI's)."""
@@ -782,14 +868,15 @@ def _chunks(response: dict, include_usage: bool = False) -> list[dict]:
             "model": response["model"]}
     tail = {"usage": None} if include_usage else {}
 
-    def chunk(delta: dict, finish: str | None = None) -> dict:
-        return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **tail}
+    def chunk(delta: dict, finish: str | None = None, logprobs: dict | None = None) -> dict:
+        return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}], **tail}
 
     calls = [{"index": k, **c} for k, c in enumerate(message.get("tool_calls", []))]
     first = {"role": "assistant", "content": message["content"]}
     if message["content"] is None and calls:
         first["tool_calls"], calls = calls[:1], calls[1:]
-    out = [chunk(first)] + [chunk({"tool_calls": [c]}) for c in calls] + [chunk({}, choice["finish_reason"])]
+    out = ([chunk(first, logprobs=choice.get("logprobs"))] + [chunk({"tool_calls": [c]}) for c in calls]
+           + [chunk({}, choice["finish_reason"])])
     if include_usage:
         out.append({**head, "choices": [], "usage": response["usage"]})
     return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from typing import Callable
 
 
 class Chat(list):
@@ -84,12 +85,12 @@ def _block(call: dict) -> str:
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
-def parse(text: str, names: set[str]) -> tuple[str | None, list[dict]]:
+def parse(text: str, names: set[str], ids: Callable[[int], str] | None = None) -> tuple[str | None, list[dict]]:
     """A reply's content and tool calls as OpenAI sends them back: each ``<tool_call>`` block holding
     a JSON object that names a function of ``names`` (its arguments a JSON object, or none) becomes a
     call, and the rest of the text, stripped, the content (None when empty). Any other block stays in
     the content as text (the program sees what the model wrote); without a call, the content is
-    ``text`` as it is."""
+    ``text`` as it is. ``ids(k)`` names the k-th call (default: ``call_`` and 24 random hex digits)."""
     calls = []
 
     def take(block: re.Match) -> str:
@@ -101,7 +102,7 @@ def parse(text: str, names: set[str]) -> tuple[str | None, list[dict]]:
                 and isinstance(call.get("arguments", {}), dict)):
             return block.group(0)
         arguments = json.dumps(call.get("arguments", {}), ensure_ascii=False)
-        calls.append({"id": "call_" + secrets.token_hex(12), "type": "function",
+        calls.append({"id": ids(len(calls)) if ids is not None else "call_" + secrets.token_hex(12), "type": "function",
                       "function": {"name": call["name"], "arguments": arguments}})
         return ""
 

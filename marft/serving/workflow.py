@@ -23,7 +23,11 @@ micro-step order (``"Problem: ..."`` then one ``"[step t] agent: reply"`` line e
 agents that were not called are no micro-steps (the advantages pass over them:
 :func:`marft.maths.advantages.fold_skipped`). An episode whose workflow raises, runs past ``timeout_s`` or
 calls no agent is left out of training (``failed``, its calls kept for its transcript) and counted;
-the others go on.
+the others go on. An episode's calls are those whose replies reached the program before it returned
+(a call it gave up on is generated but not kept; one made after it returned is refused: the server's
+:meth:`~marft.serving.serve.TeamServer.close_episode`); an abandoned async workflow is cancelled. The
+reward is computed one episode at a time, each bounded by the episodes' timeout (a reward that raises
+or hangs fails its episode).
 
 Reproducible batches: the endpoint generates a batch when every running episode is blocked on its
 calls (:class:`_Episode`): an async workflow's event loop is idle with no work out in a thread
@@ -45,6 +49,7 @@ is the episode's number in the batch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import selectors
@@ -56,8 +61,9 @@ import torch
 
 from ..engines.base import Reply, pack
 from ..envs.base import Grade
+from ..envs.guard import guarded
 from ..envs.workflow import WorkflowEnv, answer_text
-from ..errors import UserError
+from ..errors import UserError, warn_once
 from ..turns import Rollout, Turn
 
 
@@ -104,6 +110,9 @@ class _Episode:
         self.inside: set[int] = set()  # threads waiting for a reply
         self.jobs = 0  # an async workflow's work out in threads (run_in_executor: asyncio.to_thread, name lookups)
         self.threads: set[int] = set()  # every thread that made a call
+        self.got: set[int] = set()  # the seq of every call whose reply reached the program
+        self.kept: set[int] | None = None  # ``got`` when the workflow returned: the calls that are the episode's
+        self.task = self.aloop = None  # an async workflow's task and its event loop (to cancel it when abandoned)
         self.done = False
 
     def made_call(self, request) -> None:
@@ -117,11 +126,13 @@ class _Episode:
             self.threads.add(tid)
             self.last = time.monotonic()
 
-    def got_reply(self, response) -> None:
+    def got_reply(self, request, response) -> None:
         with self.lock:
             self.received += 1
             self.inside.discard(threading.get_ident())
             self.last = time.monotonic()
+            if response is not None and response.status_code == 200:
+                self.got.add(int(request.headers["x-marft-seq"]))
             try:
                 self.round = max(self.round, int(response.headers.get("x-marft-round", 0)))
             except (AttributeError, ValueError):  # no response (the call failed), or no such header
@@ -186,7 +197,7 @@ def _transport(episode: _Episode, inner):
                 try:
                     response = await inner.handle_async_request(request)
                 finally:
-                    episode.got_reply(response)
+                    episode.got_reply(request, response)
                 return response
 
             async def aclose(self):
@@ -201,7 +212,7 @@ def _transport(episode: _Episode, inner):
             try:
                 response = inner.handle_request(request)
             finally:
-                episode.got_reply(response)
+                episode.got_reply(request, response)
             return response
 
     return Counted()
@@ -265,12 +276,15 @@ class _Watched(selectors.DefaultSelector):
 
 
 def play_workflows(team, server, workflow: Callable, problems: list[dict], reward: Callable,
-                   timeout_s: float = 300.0, success_threshold: float = 1.0) -> Rollout:
+                   timeout_s: float = 300.0, success_threshold: float = 1.0, reward_timeout_s: float | None = None) -> Rollout:
     """Run ``workflow`` once per problem, all at once, against ``server`` (a started
     :class:`marft.serving.serve.TeamServer`); return the rollout of their calls.
 
     Batches start when every running episode is blocked on its calls (:meth:`_Episode.settled`), so
-    the same seed gives the same replies whatever the order in which parallel calls arrive."""
+    the same seed gives the same replies whatever the order in which parallel calls arrive. An
+    episode's calls are those whose replies reached the program before it returned; ``reward`` is
+    called one episode at a time, each call bounded by ``reward_timeout_s`` (default ``timeout_s``)."""
+    reward_timeout_s = timeout_s if reward_timeout_s is None else reward_timeout_s
     import openai
 
     httpx = _http()
@@ -292,7 +306,12 @@ def play_workflows(team, server, workflow: Callable, problems: list[dict], rewar
     runner = getattr(asyncio, "Runner", None)  # Python 3.11: an event loop of our own (_WatchedLoop)
 
     def finish(e: int) -> None:
-        episodes[e].done = True
+        ep = episodes[e]
+        with ep.lock:
+            if ep.kept is None:  # the calls whose replies the program had when it returned (or was abandoned)
+                ep.kept = set(ep.got)
+        ep.done = True
+        server.close_episode(ids[e])  # a call it makes now is refused: it would not be the episode's
         server.poke()
 
     def one(e: int) -> None:
@@ -305,6 +324,7 @@ def play_workflows(team, server, workflow: Callable, problems: list[dict], rewar
                     async with openai.AsyncOpenAI(base_url=server.base_url(ids[e]), api_key=server.api_key,
                                                   max_retries=0, timeout=None, http_client=http) as client:
                         _knows_platform(client)
+                        ep.task, ep.aloop = asyncio.current_task(), asyncio.get_running_loop()
                         return await workflow(problems[e], client)
                 if runner is None:
                     answers[e] = asyncio.run(go())
@@ -318,7 +338,8 @@ def play_workflows(team, server, workflow: Callable, problems: list[dict], rewar
                                        timeout=timeout_s, http_client=http)
                 answers[e] = workflow(problems[e], client)
         except BaseException as err:  # noqa: BLE001 - the user's program failed (sys.exit() too): this episode only
-            errors[e] = f"the workflow raised {type(err).__name__}: {err}"
+            if errors[e] is None:  # not after a timeout (an abandoned async workflow is cancelled)
+                errors[e] = f"the workflow raised {type(err).__name__}: {err}"
         finally:
             finish(e)
 
@@ -332,13 +353,20 @@ def play_workflows(team, server, workflow: Callable, problems: list[dict], rewar
     server.pump(lambda: all(ep.done for ep in episodes) or time.monotonic() >= deadline)
     for e, t in enumerate(threads):
         t.join(max(0.0, deadline - time.monotonic()))
-        if t.is_alive():  # abandoned: it no longer holds the batches back
+        if t.is_alive():  # abandoned: it no longer holds the batches back, and its calls are refused
             errors[e] = f"the workflow ran past {timeout_s:g} s (timeout)"
             finish(e)
+            if episodes[e].task is not None:  # an async one is cancelled at its next await
+                with contextlib.suppress(RuntimeError):
+                    episodes[e].aloop.call_soon_threadsafe(episodes[e].task.cancel)
     seconds = time.perf_counter() - start
     if shared is not None:
         shared.close()  # an abandoned episode's next request fails (it is left out already)
-    calls = [server.calls(i) for i in ids]
+    calls = [_kept(server.calls(i), ep.kept) for i, ep in zip(ids, episodes)]
+    dropped = sum(len(server.calls(i)) - len(c) for i, c in zip(ids, calls))
+    if dropped:
+        warn_once(f"warning: {dropped} call(s) whose replies the workflow never received (it returned, or gave up on "
+                  "them, before they came) are left out of their episodes; said once per run", key="calls_not_received")
     for i in ids:
         server.forget(i)
     scores = []
@@ -349,16 +377,25 @@ def play_workflows(team, server, workflow: Callable, problems: list[dict], rewar
         elif errors[e] is None and last.agent != team.names[-1]:
             errors[e] = (f"the workflow's last call was to {last.agent}, not to {team.names[-1]}: the team's "
                          "last agent must give the answer (list the agents in the order they act, the answering one last)")
-        score = None
-        if errors[e] is None:
-            try:
-                score = reward(answers[e], problems[e])
-            except Exception as err:  # noqa: BLE001
-                errors[e] = f"the reward function raised {type(err).__name__}: {err}"
-        scores.append(score)
+        scores.append(None)
+    scored = [e for e in range(E) if errors[e] is None]
+
+    def score(e: int) -> None:
+        scores[e] = reward(answers[e], problems[e])
+
+    for e, err in zip(scored, guarded([functools.partial(score, e) for e in scored], False, reward_timeout_s)):
+        if err is not None:
+            errors[e], scores[e] = f"the reward function {'' if err.startswith('timed out') else 'raised '}{err}", None
     out = calls_to_rollout(team, problems, calls, scores, errors, success_threshold, answers)
     out.seconds = seconds
     return out
+
+
+def _kept(calls: list, kept: set[int] | None) -> list:
+    """An episode's recorded calls without those whose replies its program never received (it had
+    returned, or given up on them: a timeout of its own); calls its client did not stamp (a client of
+    the program's own) are all kept."""
+    return [c for c in calls if not getattr(c, "stamped", False) or kept is None or c.seq in kept]
 
 
 def _in_steps(team, calls: list) -> list[tuple[int, object]]:
