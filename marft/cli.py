@@ -59,6 +59,11 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
     sv.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
+    cf = sub.add_parser("config", help="print a config as a run would use it: every key, defaults included, as YAML")
+    cf.add_argument("config", nargs="?", help="YAML config (see configs/); none: the defaults alone")
+    cf.add_argument("overrides", nargs="*", help="key=value overrides, e.g. team.preset=trio")
+    cf.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
     ck = sub.add_parser("env-check", help="check an environment class, or play a few episodes of a workflow (agent program)",
                         description="Check that an environment follows marft's environment API, or play a few episodes "
                                     "of a workflow (task.kind: workflow) and report its calls, steps, rewards and failures.")
@@ -105,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(args)
         if args.command == "env-check":
             return cmd_env_check(args)
+        if args.command == "config":
+            return cmd_config(args)
         if args.command == "serve":
             return cmd_serve(args)
         if args.command == "sweep":
@@ -123,6 +130,21 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("marft: interrupted", file=sys.stderr)
         return 130
+    return 0
+
+
+def cmd_config(args) -> int:
+    """``marft config [CONFIG] [key=value ...]``: the config with its overrides, checked as a run
+    checks it, every key with its value (the defaults included), as YAML a run could be given."""
+    import yaml
+
+    from .run.config import load_config, to_dict
+    from .run.folder import config_file
+
+    given = args.config if args.config and "=" not in args.config else None
+    overrides = [*([args.config] if args.config and not given else []), *args.overrides]
+    cfg = load_config(config_file(given, "config") if given else None, overrides)
+    print(yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True), end="")
     return 0
 
 

@@ -158,3 +158,25 @@ def test_train_with_no_iterations_names_no_adapters(tiny_overrides, tmp_path, ca
     assert "│ untrained" in captured.out and "│ trained" not in captured.out  # one row: nothing was trained
     assert json.loads((tmp_path / "run" / "eval_final.json").read_text()) == \
         json.loads((tmp_path / "run" / "eval_untrained.json").read_text())
+
+
+def test_config_prints_every_key_as_a_run_would_use_it(tmp_path, capsys):
+    """marft config CONFIG overrides: the config a run would get, defaults included, as YAML that
+    loads back to the same config; a wrong key is the usual one line."""
+    import yaml
+
+    from marft.run.config import load_config, to_dict
+
+    assert main(["config", "configs/coop_duo_sum.yaml", "train.lr=1e-4", "team.max_new_tokens={speaker: 9}"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    want = to_dict(load_config("configs/coop_duo_sum.yaml", ["train.lr=1e-4", "team.max_new_tokens={speaker: 9}"]))
+    assert printed == want and printed["train"]["lr"] == 1e-4 and "critic" in printed["train"]  # defaults too
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(printed))
+    assert to_dict(load_config(str(tmp_path / "c.yaml"))) == want  # a run given it is the same run
+    assert main(["config", "seed=4"]) == 0 and yaml.safe_load(capsys.readouterr().out)["seed"] == 4  # the defaults
+    assert main(["config", "configs/coop_duo_sum.yaml", "train.lrr=1"]) == 2
+    assert "unknown key 'train.lrr' (did you mean 'train.lr'?)" in capsys.readouterr().err
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("seed: 0\n")
+    assert main(["config", str(tmp_path / "run")]) == 2
+    assert f"(a run folder: its config is {tmp_path / 'run' / 'config.yaml'})" in capsys.readouterr().err

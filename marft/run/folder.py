@@ -246,6 +246,7 @@ def config_file(path: str, command: str) -> str:
     hint = ""
     if (p / "config.yaml").is_file():
         hint = (f" (a run folder: continue it with marft train --resume {p})" if command == "train" else
+                f" (a run folder: its config is {p / 'config.yaml'})" if command == "config" else
                 f" (a run folder: marft {command} {p / 'config.yaml'} --adapters {p} uses its config and trained adapters)")
     raise UserError(f"config file {p} is a folder; give the path of a YAML file such as configs/duo_arithmetic.yaml{hint}")
 
