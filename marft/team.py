@@ -147,6 +147,10 @@ def build_team(cfg) -> Team:
             raise UserError(f"config: agent name {n!r} is used twice in team.agents; names must be unique")
         if agents[i].adapter:
             _check_simple_name(agents[i].adapter, f"team.agents.{i}.adapter")
+        if (agents[i].adapter or n) == "default" and not cfg.share_adapter:
+            raise UserError(f"config: team.agents.{i} would train an adapter named 'default', the name PEFT keeps for its own "
+                            f"(it saves that adapter outside the adapter's folder, where no checkpoint finds it); rename "
+                            f"the agent, or give its adapter another name: team.agents.{i}.adapter=...")
     graph = cfg.graph
     if graph == "chain":
         sees = {n: names[:i] for i, n in enumerate(names)}

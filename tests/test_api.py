@@ -316,3 +316,56 @@ def test_adapters_through_checkpoints_latest(vowel, tmp_path):
     assert adapters_folder(run / "checkpoints" / "latest" / "adapters") == ckpt / "adapters"
     with pytest.raises(marft.UserError, match="is a file, not a folder"):
         adapters_folder(ckpt / "trainer.pt")
+
+
+def test_a_resume_makes_the_evaluation_its_checkpoint_was_owed_and_sets_later_ones_aside(vowel, tmp_path):
+    """A kill after a checkpoint but before its evaluation (eval_iter_000001 missing), and a later
+    evaluation of the killed attempt (eval_iter_000002, of weights no checkpoint holds): the resume
+    makes the first and moves the second into earlier_attempt_1/, saying so. Saving the iteration
+    latest names again writes nothing (its state is that checkpoint)."""
+    class StopAfterOne:
+        def on_iteration(self, trainer, metrics):
+            trainer.stop()
+
+    config = marft.load_config(CONFIG, vowel, train={"iterations": 3, "eval_every": 1}, eval={"ablate": False})
+    with marft.MarftTrainer(config, log=None, callbacks=[StopAfterOne()]) as trainer:
+        first = trainer.train()
+        saved = trainer.save()  # iteration 1 again: latest names it already
+    run = first.run_dir
+    assert saved == latest_checkpoint(run) and saved.name == "iter_000001"
+    assert not list((run / "checkpoints").glob(".iter_*"))
+    (run / "eval_iter_000001.json").unlink()  # killed while evaluating
+    (run / "eval_iter_000002.json").write_text('{"accuracy": 0.5}')  # written by an attempt killed later
+    said: list = []
+    with marft.MarftTrainer.resume(run, log=said.append, callbacks=[StopAfterOne()]) as trainer:
+        trainer.train()
+    assert json.loads((run / "eval_iter_000001.json").read_text())["iteration"] == 1
+    assert json.loads((run / "earlier_attempt_1" / "eval_iter_000002.json").read_text()) == {"accuracy": 0.5}
+    assert json.loads((run / "eval_iter_000002.json").read_text())["iteration"] == 2  # its own, made again
+    assert any("eval_iter_000002.json: evaluations of weights after the checkpoint (iteration 1), moved into" in s
+               for s in said), said
+    assert any(s.startswith("eval iter_000001:") for s in said)
+
+
+def test_an_adapter_named_default_is_refused():
+    with pytest.raises(marft.UserError, match="would train an adapter named 'default', the name PEFT keeps"):
+        marft.load_config(CONFIG, ["team.agents=[{name: default}, {name: solver}]"])
+    marft.load_config(CONFIG, ["team.agents=[{name: default, adapter: first}, {name: solver}]"])  # renamed: fine
+
+
+def test_a_file_system_without_locks_trains_with_a_warning(tmp_path, monkeypatch, capsys):
+    import errno
+    import fcntl
+
+    import marft.errors
+    from marft.run.folder import RunFolder
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    monkeypatch.setattr(marft.errors, "WARNED", set())
+    run = RunFolder.new(tmp_path / "run")
+    run.hold()  # no error
+    assert "its file system has no file locks (Function not implemented)" in capsys.readouterr().err
+    run.release()

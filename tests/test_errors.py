@@ -198,7 +198,7 @@ ROWS = [
      "iter_000001 is a checkpoint, not a run folder; give the run folder"),
     # command line
     ("unknown-command", lambda f: ["trian", CONFIG],
-     E + "argument COMMAND: invalid choice: 'trian' (choose from 'eval', 'train', 'sweep', 'report', 'serve', 'env-check'); "
+     E + "argument COMMAND: invalid choice: 'trian' (choose from 'eval', 'train', 'sweep', 'report', 'serve', 'config', 'env-check'); "
      "see marft --help"),
     ("unknown-flag", lambda f: ["eval", CONFIG, "--adpaters", "runs/duo/checkpoints/iter_000002/adapters"],
      E + "unrecognized arguments: --adpaters runs/duo/checkpoints/iter_000002/adapters; see marft eval --help"),

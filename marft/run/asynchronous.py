@@ -35,7 +35,10 @@ Two modes (``train.async_mode``):
   Which episodes form a batch depends on timing: runs are not reproducible.
 
 Episodes still being played when a run stops or is killed are discarded; a checkpoint records how
-many there were, and the resumed run counts them (``async/discarded``). While generation runs, the
+many there were, and the resumed run counts them (``async/discarded``). In streaming mode the
+resumed run starts from the first chunk of the iteration after the checkpoint's: a later chunk a
+batch had taken early is played and trained again, an earlier one still being played is not (the
+checkpoint keeps versions, not which chunks were taken). While generation runs, the
 CPU's threads are split between the learner (this thread) and generation, half each (at least
 one); evaluations before the first batch and after the last have them all.
 

@@ -87,11 +87,16 @@ def resume_checkpoint(run_dir: str | Path) -> Path:
 
 def write_checkpoint(run_dir: str | Path, iteration: int, fill: Callable[[Path], None], keep: int = 0) -> Path:
     """``fill(folder)`` writes the checkpoint's files into a temporary folder, which becomes
-    ``checkpoints/iter_NNNNNN`` and ``latest``; then all but the newest ``keep`` go (0 = keep all)."""
+    ``checkpoints/iter_NNNNNN`` and ``latest``; then all but the newest ``keep`` go (0 = keep all).
+    An iteration that ``latest`` already names is not written again (its state is the same)."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     name = f"iter_{iteration:06d}"
     final = root / name
+    if final.is_dir() and latest_checkpoint(run_dir) == final:
+        # this iteration is saved already (MarftTrainer.save() after train(), or after a resume): the
+        # state is the same, and replacing the folder latest names would leave a moment with none
+        return final
     for stale in root.glob(".iter_*.tmp-*"):  # left by a run killed while saving
         shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".{name}.tmp-{os.getpid()}"

@@ -120,6 +120,13 @@ class RunFolder:
             check_not_training(self.path)
             raise UserError(f"run folder {self.path} is being trained by another process; wait for it to end, then run "
                             "this again") from None
+        except OSError as e:  # a file system without locks (Lustre without -o flock, some NFS): go on without
+            lock.close()
+            from ..errors import warn_once
+
+            warn_once(f"warning: run folder {self.path}: its file system has no file locks ({e.strerror or e}), so "
+                      "nothing stops a second process from training the same folder at once", key="no_flock")
+            return
         lock.truncate(0)
         lock.write(f"{os.getpid()}\n")
         lock.flush()
@@ -144,6 +151,38 @@ class RunFolder:
         else:
             self.metrics_path.unlink(missing_ok=True)
         return machine_change(before, machine) if self.resumed else None
+
+    def set_aside_later_evaluations(self, cfg: RunConfig, iteration: int) -> str | None:
+        """A resumed run's evaluations of weights no checkpoint holds (``eval_iter_N`` after
+        ``iteration``, written by the attempt that was killed; ``eval_final*`` while iterations
+        remain: a finished run extended) moved into ``earlier_attempt_K/`` (kept, not read as the
+        run's); a one-line notice naming them, or None."""
+        import os
+
+        later = [p for p in sorted(self.path.glob("eval_iter_*.json")) if _iteration_of(p) > iteration]
+        if iteration < cfg.train.iterations:
+            later += sorted(self.path.glob("eval_final*.json"))
+        if not later:
+            return None
+        k = 1
+        while (self.path / f"earlier_attempt_{k}").exists():
+            k += 1
+        aside = self.path / f"earlier_attempt_{k}"
+        aside.mkdir()
+        for f in later:
+            os.replace(f, aside / f.name)
+        return (f"{', '.join(f.name for f in later)}: evaluations of weights after the checkpoint (iteration {iteration}), "
+                f"moved into {aside}; the run makes its own again")
+
+    def evaluations_due(self, cfg: RunConfig, iteration: int) -> list[str]:
+        """The evaluations a run resumed at ``iteration`` owes the checkpoint it resumes from: the
+        untrained team's at 0, or ``iter_N`` at an evaluation's iteration, where the attempt that
+        saved it was stopped or killed before writing it."""
+        if iteration == 0:
+            due = ["untrained"] if cfg.eval.before or cfg.train.iterations == 0 else []
+        else:
+            due = [f"iter_{iteration:06d}"] if self.evaluates_after(cfg, iteration) else []
+        return [tag for tag in due if self.read_evaluation(tag) is None]
 
     def record_machine(self, machine: dict, iteration: int) -> dict | None:
         """Append where this attempt of the run ran (CPU, GPU, device, dtype, versions) to
@@ -207,6 +246,12 @@ class RunFolder:
         """An evaluation after ``iteration`` (``eval_iter_NNNNNN``): every ``train.eval_every``, except
         at the last iteration (the final evaluation follows)."""
         return bool(cfg.train.eval_every) and iteration % cfg.train.eval_every == 0 and iteration != cfg.train.iterations
+
+
+def _iteration_of(path: Path) -> int:
+    """N of ``eval_iter_N.json`` (-1 for a name that is not one)."""
+    digits = path.stem.removeprefix("eval_iter_")
+    return int(digits) if digits.isdigit() else -1
 
 
 def flat_config(cfg: RunConfig) -> dict[str, Any]:

@@ -83,8 +83,9 @@ class Training:
             moved = run.start(cfg, describe(self.models), self.trainer.iteration)
             if run.resumed:
                 self._log(f"resumed {run.path} at iteration {self.trainer.iteration} from {run.checkpoint.name}")
-                if moved:
-                    self._log(moved)
+                for line in (moved, run.set_aside_later_evaluations(cfg, self.trainer.iteration)):
+                    if line:
+                        self._log(line)
             else:
                 self._log(f"marft train: {cfg.train.algorithm}, team {' -> '.join(self.team.names)}"
                           f"{' (shared adapter)' if cfg.team.share_adapter else ''}, {cfg.train.iterations} iterations "
@@ -96,6 +97,10 @@ class Training:
             if not run.resumed:
                 if cfg.eval.before or cfg.train.iterations == 0:
                     untrained = self._run_eval("untrained", trackers)
+            else:  # the checkpoint's own evaluation, where the attempt that saved it ended before it
+                for tag in run.evaluations_due(cfg, self.trainer.iteration):
+                    res = self._run_eval(tag, trackers)
+                    untrained = res if tag == "untrained" else untrained
             start, done_here = time.perf_counter(), 0
             while self.trainer.iteration < cfg.train.iterations and not self.stopping:
                 m = self.trainer.iteration_step()
