@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable
 
 from .run.config import RunConfig, load_config as _load_config, to_dict
 from .run.assemble import describe, env_factory, num_problems, prepare, quiet_libraries
-from .run.folder import RunFolder, output_file
+from .run.folder import RunFolder, killed_before_a_checkpoint, output_file
 from .run.training import TrainResult, progress_line  # noqa: F401 - progress_line: part of the API
 from .errors import UserError
 
@@ -218,8 +218,13 @@ class MarftTrainer:
     @classmethod
     def resume(cls, run_dir: str | Path | RunFolder, overrides: Iterable[str] | dict = (), **kwargs: Any) -> "MarftTrainer":
         """The run in ``run_dir`` at its last checkpoint, with its saved config and ``overrides``
-        (those that do not change what the checkpoint holds: more iterations, a learning rate...)."""
+        (those that do not change what the checkpoint holds: more iterations, a learning rate...).
+        A run that ended before its first checkpoint starts again from its ``config.yaml``, its
+        files moved into ``earlier_attempt_K/``."""
         pairs = _pairs(overrides, {k: kwargs.pop(k) for k in list(kwargs) if k not in ("log", "callbacks")})
+        if not isinstance(run_dir, RunFolder) and killed_before_a_checkpoint(run_dir):  # no checkpoint: start it again
+            run, config, _ = RunFolder.restarted(run_dir, pairs)  # its earlier files into earlier_attempt_K/
+            return cls(config, run=run, **kwargs)
         run = run_dir if isinstance(run_dir, RunFolder) else RunFolder.existing(run_dir)  # or a UserError saying what is wrong
         return cls(run.config(pairs), run=run, **kwargs)
 

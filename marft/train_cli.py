@@ -27,15 +27,20 @@ def cmd_train(args) -> int:
     def log(message: str) -> None:
         console.print(message, markup=False, highlight=False)
 
-    from .run.folder import RunFolder, config_file
+    from .run.folder import RunFolder, config_file, killed_before_a_checkpoint
 
     if args.resume:
         given = args.config if args.config and "=" not in args.config else None
         overrides = [*([args.config] if args.config and not given else []), *args.overrides]
-        run = RunFolder.existing(args.resume)
-        cfg = run.config(overrides)  # the saved config and the overrides
-        if given:  # marft train CONFIG --resume RUN: CONFIG must be the run's own
-            run.check_given_config(load_config(config_file(given, "train"), [*overrides, ("output_dir", str(run.path))]), given, cfg)
+        if killed_before_a_checkpoint(args.resume):  # nothing to continue from: the run starts again
+            run, cfg, aside = RunFolder.restarted(args.resume, overrides)
+            log(f"{run.path} has no checkpoint (the run ended before its first): starting it again from its config.yaml; "
+                f"the earlier attempt's files are in {aside}")
+        else:
+            run = RunFolder.existing(args.resume)
+            cfg = run.config(overrides)  # the saved config and the overrides
+            if given:  # marft train CONFIG --resume RUN: CONFIG must be the run's own
+                run.check_given_config(load_config(config_file(given, "train"), [*overrides, ("output_dir", str(run.path))]), given, cfg)
         trainer = MarftTrainer(cfg, run=run, log=log)
     else:
         if not args.config:

@@ -2,6 +2,7 @@
 same run, configs from every kind of source agree, callbacks and stop/resume, and the trained team
 loaded for inference replies as the team did in its evaluation."""
 import json
+import shutil
 import os
 import re
 import subprocess
@@ -369,3 +370,27 @@ def test_a_file_system_without_locks_trains_with_a_warning(tmp_path, monkeypatch
     run.hold()  # no error
     assert "its file system has no file locks (Function not implemented)" in capsys.readouterr().err
     run.release()
+
+
+def test_a_run_killed_before_its_first_checkpoint_resumes_by_starting_again(vowel, tmp_path, capsys):
+    """Killed during iteration 1 (config.yaml, machine.json and a metrics line, no checkpoint): a new
+    run into the folder says to resume it; --resume starts it again from its own config.yaml, the
+    attempt's files kept in earlier_attempt_1/; a finished run kept without weights is not restarted."""
+    from marft.cli import main as cli
+    from marft.run.config import save_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    save_config(marft.load_config(CONFIG, vowel, train={"iterations": 1}, eval={"ablate": False, "before": False}),
+                run / "config.yaml")
+    (run / "machine.json").write_text('[{"from_iteration": 0, "device": "cpu"}]')
+    (run / "metrics.jsonl").write_text('{"iteration": 1, "reward": 0.5}\n{"iter')  # cut by the kill
+    assert cli(["train", CONFIG, *vowel]) == 2
+    assert f"holds a run that ended before its first checkpoint; start it again with marft train --resume {run}" in \
+        capsys.readouterr().err
+    assert cli(["train", "--resume", str(run)]) == 0
+    assert "has no checkpoint (the run ended before its first): starting it again from its config.yaml" in capsys.readouterr().err
+    assert (run / "earlier_attempt_1" / "metrics.jsonl").read_text().endswith('{"iter')
+    assert latest_checkpoint(run).name == "iter_000001" and (run / "eval_final.json").is_file()
+    shutil.rmtree(run / "checkpoints")  # finished, its weights not kept (as results/ holds runs)
+    assert cli(["train", "--resume", str(run)]) == 2 and "has no complete checkpoint" in capsys.readouterr().err

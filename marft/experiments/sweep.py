@@ -377,7 +377,7 @@ def run_sweep(sweep: Sweep, log=print, execute=None) -> int:
 
 
 def _run(sweep: Sweep, log, execute) -> int:
-    from ..run.folder import training_process
+    from ..run.folder import set_aside, training_process
 
     threads = sweep.threads or max(1, (os.cpu_count() or 1) // sweep.parallel)
     changed = _changed_runs(sweep)  # said, not refused: a run whose change cannot matter (0 iterations) is common
@@ -426,7 +426,7 @@ def _run(sweep: Sweep, log, execute) -> int:
         cmd = _command(sweep, run, threads)
         how = "resuming" if "--resume" in cmd else "starting"
         if how == "starting":  # an earlier attempt that left no checkpoint: its files go aside, kept
-            aside = _set_aside(run.folder)
+            aside = set_aside(run.folder)
             if aside is not None:
                 log(f"{run.name}: its earlier attempt left no checkpoint to resume from; its files are kept in {aside}")
         log(f"{how} {run.name}")
@@ -462,25 +462,6 @@ def _run(sweep: Sweep, log, execute) -> int:
         + (f"; {len(waiting)} not started: run the sweep again to continue" if waiting else "")
         + f". Report: marft report {sweep.output_dir}")
     return 1 if failed or waiting else 0
-
-
-def _set_aside(folder: Path) -> Path | None:
-    """Move the files of an earlier ``marft train`` attempt in ``folder`` (one that left no
-    checkpoint: a run killed or failed early) into ``folder/earlier_attempt_N/``, so that the run
-    can start afresh there without overwriting them; None if there were none."""
-    from ..run.folder import earlier_run_files
-
-    found = earlier_run_files(folder, trackers=True)
-    if not found:
-        return None
-    n = 1
-    while (folder / f"earlier_attempt_{n}").exists():
-        n += 1
-    aside = folder / f"earlier_attempt_{n}"
-    aside.mkdir()
-    for f in found:
-        os.replace(f, aside / f.name)
-    return aside
 
 
 def _recorded_seconds(folder: Path) -> float:

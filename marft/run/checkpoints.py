@@ -40,7 +40,7 @@ def _pointer_name(pointer: Path) -> str | None:
     return name if name and "/" not in name and "\\" not in name and name not in (".", "..") else ""
 
 
-def _saved_checkpoints(root: Path) -> list[str]:
+def saved_checkpoints(root: Path) -> list[str]:
     """Names of the checkpoint folders under ``root`` (``checkpoints/``) that hold a trainer state."""
     return sorted(p.name for p in root.glob("iter_*") if (p / "trainer.pt").is_file()) if root.is_dir() else []
 
@@ -51,7 +51,7 @@ def no_checkpoint_reason(run_dir: str | Path) -> str:
     run_dir = Path(run_dir)
     root = run_dir / "checkpoints"
     pointer = root / "latest"
-    saved = _saved_checkpoints(root)
+    saved = saved_checkpoints(root)
     fix = (f"write the name of one that is there ({', '.join(saved[-3:])}) into {pointer}" if saved
            else f"{root} holds no checkpoint folder; start a new run")
     name = _pointer_name(pointer)

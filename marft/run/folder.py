@@ -46,6 +46,17 @@ class RunFolder:
         return cls(path)
 
     @classmethod
+    def restarted(cls, path: str | Path, overrides: Iterable = ()) -> tuple["RunFolder", RunConfig, Path]:
+        """A run killed before its first checkpoint (:func:`killed_before_a_checkpoint`), to start
+        again from its own ``config.yaml`` with ``overrides``: the folder, the config, and
+        ``earlier_attempt_K/``, where the attempt's files now are (the config is checked first:
+        a bad override moves nothing)."""
+        path = Path(path)
+        check_not_training(path)
+        cfg = load_config(path / "config.yaml", [*overrides, ("output_dir", str(path))])
+        return cls(path), cfg, set_aside(path)
+
+    @classmethod
     def existing(cls, path: str | Path) -> "RunFolder":
         """The folder of a run to resume, at its last checkpoint (or a :class:`UserError` saying
         what is wrong with it)."""
@@ -157,20 +168,12 @@ class RunFolder:
         ``iteration``, written by the attempt that was killed; ``eval_final*`` while iterations
         remain: a finished run extended) moved into ``earlier_attempt_K/`` (kept, not read as the
         run's); a one-line notice naming them, or None."""
-        import os
-
         later = [p for p in sorted(self.path.glob("eval_iter_*.json")) if _iteration_of(p) > iteration]
         if iteration < cfg.train.iterations:
             later += sorted(self.path.glob("eval_final*.json"))
         if not later:
             return None
-        k = 1
-        while (self.path / f"earlier_attempt_{k}").exists():
-            k += 1
-        aside = self.path / f"earlier_attempt_{k}"
-        aside.mkdir()
-        for f in later:
-            os.replace(f, aside / f.name)
+        aside = _move_aside(self.path, later)
         return (f"{', '.join(f.name for f in later)}: evaluations of weights after the checkpoint (iteration {iteration}), "
                 f"moved into {aside}; the run makes its own again")
 
@@ -246,6 +249,39 @@ class RunFolder:
         """An evaluation after ``iteration`` (``eval_iter_NNNNNN``): every ``train.eval_every``, except
         at the last iteration (the final evaluation follows)."""
         return bool(cfg.train.eval_every) and iteration % cfg.train.eval_every == 0 and iteration != cfg.train.iterations
+
+
+def killed_before_a_checkpoint(run_dir: str | Path) -> bool:
+    """``run_dir`` holds a run's ``config.yaml`` and ``machine.json``, no checkpoint at all and no final evaluation: a run
+    killed (or failed) before its first checkpoint, which ``--resume`` starts again
+    (:meth:`RunFolder.restarted`). A finished run kept without its weights (``results/``) is not one."""
+    run_dir = Path(run_dir)
+    return ((run_dir / "config.yaml").is_file() and (run_dir / "machine.json").is_file()  # as a run's start writes
+            and not (run_dir / "trainer.pt").exists() and not (run_dir / "eval_final.json").exists()
+            and not (run_dir / "checkpoints" / "latest").exists()
+            and not checkpoints.saved_checkpoints(run_dir / "checkpoints"))
+
+
+def set_aside(folder: Path) -> Path | None:
+    """Move the files of an earlier ``marft train`` attempt in ``folder`` (one that left no
+    checkpoint: a run killed or failed early) into ``folder/earlier_attempt_K/``, so that the run
+    can start afresh there without overwriting them; None if there were none."""
+    found = earlier_run_files(folder, trackers=True)
+    return _move_aside(folder, found) if found else None
+
+
+def _move_aside(folder: Path, files: list[Path]) -> Path:
+    """``files`` of ``folder`` moved into its next free ``earlier_attempt_K/``, which is returned."""
+    import os
+
+    k = 1
+    while (folder / f"earlier_attempt_{k}").exists():
+        k += 1
+    aside = folder / f"earlier_attempt_{k}"
+    aside.mkdir()
+    for f in files:
+        os.replace(f, aside / f.name)
+    return aside
 
 
 def _iteration_of(path: Path) -> int:
@@ -389,6 +425,10 @@ def check_new_run_dir(run_dir: Path, config_file: str | Path | None = None) -> N
     found = earlier_run_files(run_dir)
     if found:
         what = found[0].name + ("/" if found[0].is_dir() else "")
+        if killed_before_a_checkpoint(run_dir):
+            raise UserError(f"output_dir {run_dir} holds a run that ended before its first checkpoint; start it again with "
+                            f"marft train --resume {run_dir} (its files are kept in {run_dir}/earlier_attempt_N/), or choose "
+                            "another output_dir=...")
         raise UserError(f"output_dir {run_dir} already holds {what} of an earlier run, which a new run would overwrite, and no "
                         f"checkpoint to resume from; choose another output_dir=..., or move that run's files away first")
 
