@@ -499,3 +499,33 @@ def test_a_replacement_worker_that_dies_while_starting_is_replaced_too(monkeypat
     with pytest.raises(UserError, match=r"died 4 times \(more than cluster.max_worker_restarts=3\); the last one while "
                                         r"starting \(ImportError: no module named broken\) at iteration 5"):
         t._replace_worker(0, "while playing (ActorDiedError)")
+
+
+def test_an_adapter_load_that_fails_on_a_live_worker_stops_the_run(monkeypatch):
+    """Asynchronous training queues adapter loads on the workers without waiting; one that raised
+    (the worker alive) would have played its batch with the adapters before. It is looked at once
+    the worker's batch is back: one line, not a batch silently stamped with the wrong version."""
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'marft[ray]')")
+    import ray.exceptions
+
+    from marft.distributed import parts
+
+    class FakeRay:
+        exceptions = ray.exceptions
+
+        def get(self, ref):
+            if ref == "bad":
+                raise ray.exceptions.RayTaskError("set_adapters", "Traceback ...\nValueError: shapes differ",
+                                                  ValueError("shapes differ"))
+            if ref == "dead":
+                raise ray.exceptions.RayActorError(error_msg="ActorDiedError")
+            return None
+
+    monkeypatch.setattr(parts, "_ray", lambda: FakeRay())
+    t = parts.RayEpisodes.__new__(parts.RayEpisodes)
+    t.loads = {0: ["ok", "dead"], 1: ["ok", "bad"]}
+    t._check_loads(0)  # a dead worker's loads: its batch is replayed elsewhere, no error here
+    assert 0 not in t.loads
+    with pytest.raises(UserError, match=r"rollout worker 1 could not load the adapters it was sent \(ValueError: shapes "
+                                        r"differ\); the run stops"):
+        t._check_loads(1)

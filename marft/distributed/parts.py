@@ -170,6 +170,7 @@ class RayEpisodes:
         self.queued: dict[int, tuple[int, list, dict]] = {}  # iteration -> (its version, its shards, shard -> ref)
         self.next_batch: int | None = None  # the next iteration to queue
         self.holding: int | None = None  # the version the workers hold once their queued calls have run (None: not sent yet)
+        self.loads: dict[int, list] = {}  # worker -> its queued adapter loads (checked before its batches count)
         self.discarded = 0
         self._async: dict = {}
 
@@ -263,8 +264,22 @@ class RayEpisodes:
         self.cluster.bytes["weights"] += len(pickle.dumps(states)) * len(workers)
         ref = ray.put(states)
         for k in workers:
-            self.workers[k].set_adapters.remote(version, ref)
+            self.loads.setdefault(k, []).append(self.workers[k].set_adapters.remote(version, ref))
         self.holding = version
+
+    def _check_loads(self, k: int) -> None:
+        """Worker ``k``'s queued adapter loads, which ran before the batch it just returned: one that
+        failed (the worker alive) would have played that batch with other adapters than its version
+        says, so the run stops with one line."""
+        ray = _ray()
+        for ref in self.loads.pop(k, []):
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                pass  # the worker died: its batch is replayed on a new one (_collect)
+            except ray.exceptions.RayError as e:
+                raise UserError(f"rollout worker {k} could not load the adapters it was sent ({_cause(e)}); "
+                                "the run stops (its checkpoint is intact)") from None
 
     def _collect(self, t: int, version: int | None, shards: list, pending: dict) -> dict[int, Rollout]:
         """The shards of batch t (``pending``: shard -> its reference); a worker that died is replaced
@@ -279,6 +294,7 @@ class RayEpisodes:
                 parts[k], nbytes = ray.get(ref)
                 self.cluster.bytes["rollout"] += nbytes
                 del pending[k]
+                self._check_loads(k)
             except ray.exceptions.RayActorError as e:
                 self._replace_worker(k, f"while playing ({_cause(e)})", None if version is None else self.versions[version])
                 pending[k] = self.workers[k].play.remote(shards[k], shard_seed(self.cfg, t, k))

@@ -57,6 +57,9 @@ def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progr
     rec = _Record(total)
     tokens, start = 0, time.perf_counter()
     done_eps = 0
+    # rollout.schedule async needs an engine with a request queue (vLLM); on Ray the driver evaluates
+    # with the HF engine, which plays the same episodes turn by turn
+    schedule = ro.schedule if getattr(models, "asynchronous", False) else "barrier"
     for sl, (_, _, h) in zip(slices, parts):
         # each task from the same sampling seed, in batches of its own: its result is the one it gets evaluated alone
         generator = torch.Generator().manual_seed(ev.seed)
@@ -70,7 +73,7 @@ def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progr
                     progress(done_eps, total, tokens)
 
             out = episode_runner(cfg)(team, models, make_env, chunk, sampling, h, generator, on_turn, ro.env_timeout_s,
-                                  schedule=ro.schedule)
+                                  schedule=schedule)
             rec.add(lo, out, kept)
             done_eps = lo + len(chunk)
             if progress:

@@ -197,9 +197,9 @@ class AdapterLearner:
                 mb = order[lo:lo + tr.minibatch_size]
                 opt.zero_grad()
                 mb_stats = self.accumulate(batch, mb, old, iteration, pending)
-                st.micro_batches_skipped += mb_stats.pop("skipped")
-                if self.group:
+                if self.group:  # every learner's share: the skipped micro-batches of all of them, as one learner counts
                     mb_stats = self._all_reduce(params, mb_stats)
+                st.micro_batches_skipped += int(mb_stats.pop("skipped"))
                 st.learner_flops += self._needed(packed, mb, backward=True)
                 if tr.kl_coef > 0:  # the reference policy's forward
                     st.learner_flops += self._needed(packed, mb, backward=False)
