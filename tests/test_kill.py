@@ -9,7 +9,6 @@ runs compared are computed the same way."""
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -125,7 +124,7 @@ def assert_same_run(a: Path, b: Path):
 
 @pytest.mark.parametrize("where,at,resumes_from", [
     ("generation", 2, 1), ("update", 2, 1), ("adapters", 2, 1), ("rename", 2, 1), ("pointer", 2, 1),
-    ("generation", 1, None),  # before the first checkpoint: resume says so, a fresh start (once the files are moved away) recovers
+    ("generation", 1, None),  # before the first checkpoint: --resume starts it again, the attempt's files set aside
 ])
 def test_killed_run_resumes_to_the_same_result(setup, where, at, resumes_from):
     folder, over, straight, _ = setup
@@ -135,12 +134,12 @@ def test_killed_run_resumes_to_the_same_result(setup, where, at, resumes_from):
     last = latest_checkpoint(run)
     if resumes_from is None:
         assert last is None
-        r = marft("train", "--resume", str(run))
-        assert r.returncode == 2 and "has no complete checkpoint" in r.stderr and "Traceback" not in r.stderr
         r = marft("train", "configs/duo_arithmetic.yaml", *over, f"output_dir={run}")  # a new run overwrites nothing
-        assert r.returncode == 2 and "of an earlier run, which a new run would overwrite" in r.stderr, r.stderr[-2000:]
-        shutil.move(run, folder / f"{run.name}_first_attempt")  # the user moves the killed run's files away
-        r = marft("train", "configs/duo_arithmetic.yaml", *over, f"output_dir={run}")
+        assert r.returncode == 2 and f"holds a run that ended before its first checkpoint; start it again with marft " \
+            f"train --resume {run}" in r.stderr, r.stderr[-2000:]
+        r = marft("train", "--resume", str(run))
+        assert "has no checkpoint (the run ended before its first): starting it again" in r.stderr, r.stderr[-2000:]
+        assert (run / "earlier_attempt_1" / "config.yaml").is_file()
     else:
         assert last.name == f"iter_{resumes_from:06d}"
         r = marft("train", "--resume", str(run))

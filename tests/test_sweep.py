@@ -453,7 +453,7 @@ def test_a_sigterm_to_the_sweep_reaches_its_runs(tmp_path):
     got = {}
     t = threading.Thread(target=lambda: got.update(rc=sw._execute([sys.executable, "-c", script], tmp_path / "log.txt")))
     t.start()
-    for _ in range(100):
+    for _ in range(600):  # the run's handler is set (a loaded machine can take seconds to start Python)
         if sw._RUNNING and "up" in (tmp_path / "log.txt").read_text():
             break
         time.sleep(0.1)
