@@ -238,3 +238,19 @@ def test_token_level_marft_needs_one_base_model(tmp_path):
     with pytest.raises(UserError, match="marft-token's critic reads each reply's tokens, which needs the team on one base "
                                         "model"):
         _trainer(tmp_path, "train.algorithm=marft-token", f"team.agents.1.model={other}")
+
+
+def test_the_critic_adapter_has_no_dropout_at_work(tmp_path):
+    """model.lora.dropout > 0: the agents' adapters never drop (the model is in eval mode); the critic's
+    adapter, added after, made its dropout in training mode: two passes over one state differed."""
+    tr = _trainer(tmp_path, "train.critic=lora", "model.lora.dropout=0.5")
+    from marft.maths.critic import state_features
+
+    torch.manual_seed(0)
+    states = ["Problem: 1 + 2\n[step 0] speaker: three"] * 2
+    with torch.no_grad():
+        for p in tr.models.adapter_parameters("critic"):
+            p.add_(0.1)  # a trained adapter (B starts at 0, which would hide the dropout)
+        a = state_features(tr.models, "speaker", states, adapter="critic")
+        b = state_features(tr.models, "speaker", states, adapter="critic")
+    assert torch.equal(a, b)

@@ -272,6 +272,7 @@ RESUME_ROWS = [
     ("other-sharing", None, ["team.share_adapter=true"], "--resume cannot change team.share_adapter (False -> True)"),
     ("other-algorithm", None, ["train.algorithm=ippo"], "--resume cannot change train.algorithm (marft -> ippo)"),
     ("other-lora", None, ["model.lora.r=4"], "--resume cannot change model.lora"),
+    ("other-critic", None, ["train.critic=lora"], "--resume cannot change train.critic (head -> lora)"),
     ("bad-override", None, ["train.lr=-1"], "train.lr must be positive"),
     ("latest-names-a-missing-checkpoint", lambda r: (r / "checkpoints/latest").write_text("iter_000999"), [],
      "checkpoints/latest names checkpoint iter_000999, which is missing from"),

@@ -481,6 +481,7 @@ class TeamModel:
         base = next(iter(self.bases))
         peft = self.bases[base]
         peft.add_adapter(name, copy.deepcopy(self.lora_config))
+        peft.eval()  # the new adapter's dropout modules are made in training mode: off, as the agents' are
         self.base_of[name] = base
         mine = [p for n, p in peft.named_parameters() if "lora_" in n and f".{name}." in n]
         for p in mine:

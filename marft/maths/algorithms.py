@@ -86,7 +86,7 @@ class TargetInputs:
 
     train: Any  # marft.run.config.TrainConfig (not imported: the config's validation imports this module)
     agents: list[str]  # the team's names in acting order
-    models: "TeamModel"  # for the critic's features (the base model, adapters disabled)
+    models: "TeamModel"  # for the critic's features (the base model, adapters disabled, or the critic's adapter)
     heads: dict[str, ValueHead]  # the algorithm's value heads (see Algorithm.make_heads)
     work: "PassWork"  # the critic's forward passes add their work here (MFU)
     critic_adapter: str | None = None  # a learning critic's adapter (train.critic: lora); None: the frozen base

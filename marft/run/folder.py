@@ -84,7 +84,7 @@ class RunFolder:
         return cfg
 
     def check_same_run(self, saved: RunConfig, cfg: RunConfig) -> None:
-        """What a resumed run may not change: its team, adapters, algorithm and LoRA shape (the
+        """What a resumed run may not change: its team, adapters, algorithm, critic and LoRA shape (the
         checkpoint holds the weights and optimiser states of exactly those)."""
         from ..team import build_team
 
@@ -93,6 +93,7 @@ class RunFolder:
         for what, a, b in [("team.preset", saved.team.preset, cfg.team.preset), ("the team's agents", old.names, new.names),
                            ("team.share_adapter", saved.team.share_adapter, cfg.team.share_adapter),
                            ("the adapters", old.adapters, new.adapters), ("train.algorithm", saved.train.algorithm, cfg.train.algorithm),
+                           ("train.critic", saved.train.critic, cfg.train.critic),
                            ("model.lora", (lo_a.r, lo_a.alpha, lo_a.target_modules), (lo_b.r, lo_b.alpha, lo_b.target_modules))]:
             if a != b:
                 raise UserError(f"--resume cannot change {what} ({a} -> {b}): {self.checkpoint} holds the weights of the run as it "

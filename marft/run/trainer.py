@@ -12,7 +12,8 @@ parts, not another trainer.
    :class:`marft.maths.algorithms.Algorithm` in :data:`marft.maths.algorithms.ALGORITHMS`) computes for every
    turn: the rewards credited, the critic's features and values, the advantages and returns
    (action-level GAE, token-level GAE, per-agent GAE, or a critic-free group baseline);
-5. critic update: the value heads on the cached features (none for a critic-free algorithm);
+5. critic update: the value heads on the cached features, or with ``train.critic: lora`` the critic's
+   adapter and heads on features recomputed each minibatch (none for a critic-free algorithm);
 6. policy update: every random choice of the update is made first (:meth:`Trainer.plan_policy`:
    the rows of each trained adapter, one shuffled order per epoch, the advantages normalised over
    the whole batch or per agent, as the algorithm says); then the ``policy`` part updates each

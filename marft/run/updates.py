@@ -7,7 +7,8 @@ in adapter order, with the new weights in the team's models. :class:`LocalPolicy
 learner actors are the other policy update (:class:`marft.distributed.RayPolicy`).
 
 :class:`CriticLearner` is the critic's learner beside it: the value heads (:mod:`marft.maths.critic`)
-and their AdamW optimisers, fitted on the cached features (step 5 of an iteration).
+and their AdamW optimisers, fitted on the cached features, or with ``train.critic: lora`` together
+with the critic's adapter on features recomputed each minibatch (step 5 of an iteration).
 """
 from __future__ import annotations
 
