@@ -529,3 +529,27 @@ def test_an_adapter_load_that_fails_on_a_live_worker_stops_the_run(monkeypatch):
     with pytest.raises(UserError, match=r"rollout worker 1 could not load the adapters it was sent \(ValueError: shapes "
                                         r"differ\); the run stops"):
         t._check_loads(1)
+
+
+def test_an_error_inside_a_learner_stops_the_run_in_one_line(monkeypatch, tmp_path):
+    """A learner that raises (a CUDA out-of-memory, the actor alive) ends the run with one line
+    naming the error and the checkpoint, as a learner that dies does (it was a raw Ray traceback)."""
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'marft[ray]')")
+    import ray.exceptions
+
+    from marft.distributed import parts
+
+    class FakeRay:
+        exceptions = ray.exceptions
+
+        def get(self, refs):
+            raise ray.exceptions.RayTaskError("update", "Traceback ...\ntorch.OutOfMemoryError: CUDA out of memory. "
+                                              "Tried to allocate 2.00 GiB", RuntimeError("oom"))
+
+    monkeypatch.setattr(parts, "_ray", lambda: FakeRay())
+    cluster = parts.RayCluster.__new__(parts.RayCluster)
+    cluster.run_dir, cluster.iteration = tmp_path, 3
+    with pytest.raises(UserError, match=r"the learner of adapter solver failed at iteration 4 \(OutOfMemoryError: CUDA out "
+                                        r"of memory\. Tried to allocate 2\.00 GiB\); the run stops, no checkpoint had been "
+                                        r"written yet"):
+        cluster.get(["ref"], "the learner of adapter solver")

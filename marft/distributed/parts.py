@@ -123,14 +123,17 @@ class RayCluster:
         return sum(c.learner_gpus * c.learners_per_adapter for _ in self.groups())
 
     def get(self, refs, what: str):
-        """ray.get, with a learner's death turned into the run's end (its last checkpoint intact)."""
+        """ray.get, with a learner's death or error (a CUDA out-of-memory inside it) turned into the
+        run's end in one line (its last checkpoint intact)."""
         ray = _ray()
         try:
             return ray.get(refs)
-        except ray.exceptions.RayActorError as e:
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:  # died, or raised (CUDA out of memory)
             last = latest_checkpoint(self.run_dir)
             kept = f"the last checkpoint, {last}, is intact: marft train --resume {self.run_dir}" if last else "no checkpoint had been written yet"
-            raise UserError(f"{what} died at iteration {self.iteration + 1} ({_cause(e)}); the run stops, {kept}") from None
+            how = "died" if isinstance(e, ray.exceptions.RayActorError) else "failed"
+            raise UserError(f"{what} {how} at iteration {self.iteration + 1} ({_cause(e)}); the run stops, {kept}") \
+                from (None if how == "died" else e)  # an error's traceback, with --debug
 
     @staticmethod
     def kill(actors: list) -> None:
@@ -410,7 +413,7 @@ class RayPolicy:
                         self.cfg, adapter, max(1, int(c.learner_cpus)), rank, c.learners_per_adapter, os.getcwd()))
         if c.learners_per_adapter > 1:
             for adapter, ranks in learners.items():
-                host, port = ray.get(ranks[0].address.remote())
+                host, port = self.cluster.get(ranks[0].address.remote(), f"the first learner of adapter {adapter}")
                 self.cluster.get([r.join.remote(host, port) for r in ranks], f"the learners of adapter {adapter}")
         return learners
 
@@ -499,5 +502,5 @@ def _cause(e: BaseException) -> str:
     ``ImportError: ...``), else the kind of death (``ActorDiedError``: killed, out of memory)."""
     import re
 
-    found = re.findall(r"^\s*(\w+(?:Error|Exception): .+)$", str(e), re.M)
+    found = re.findall(r"^\s*(?:[\w]+\.)*(\w+(?:Error|Exception): .+)$", str(e), re.M)  # torch.OutOfMemoryError: ...
     return found[-1].strip()[:200] if found else type(e).__name__
