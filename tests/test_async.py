@@ -231,3 +231,55 @@ def test_asynchronous_settings_that_cannot_work_say_why(extra, says):
         load_config(str(ROOT / U.DUO), ["rollout.episodes=4", *extra])
     assert says in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_a_streaming_resume_plays_each_chunk_once():
+    """Streaming chunks are (iteration, q), 2 an iteration. At a checkpoint after iteration 3 the
+    batches had taken every chunk up to (3, 0), and (4, 0) early, while (3, 1) was still being
+    played: the resumed run starts at (3, 1) and passes over (4, 0) (it restarted at (4, 0) before,
+    training (4, 0) twice and never (3, 1))."""
+    from marft.run.asynchronous import next_chunk
+
+    taken = {(t, q) for t in range(3) for q in range(2)} | {(3, 0), (4, 0)}
+    first = next_chunk(None, (0, 0), 2, taken)
+    assert first == (3, 1)
+    later = {k for k in taken if k > first}
+    assert later == {(4, 0)}
+    order, k = [first], first
+    for _ in range(3):
+        k = next_chunk(k, None, 2, later)
+        order.append(k)
+    assert order == [(3, 1), (4, 1), (5, 0), (5, 1)]
+
+
+def test_a_streaming_run_stopped_and_resumed_takes_no_chunk_twice(tiny_model_dir, slow_env, tmp_path, monkeypatch):
+    """Streaming, chunks of one episode, grading taking random times (so batches take chunks out of
+    order and early), stopped after iteration 2 with its checkpoint and resumed to 5: over both
+    attempts no chunk is taken by two batches, and every batch is whole."""
+    import marft.run.asynchronous as A
+
+    taken: list = []
+    play = A.AsyncEpisodes.play
+
+    def recording(self, iteration, resets):
+        before = set(self.taken)
+        out = play(self, iteration, resets)
+        taken.extend(sorted(set(self.taken) - before))
+        return out
+
+    monkeypatch.setattr(A.AsyncEpisodes, "play", recording)
+    sys.modules.pop("slow_task", None)
+
+    class StopAt2:
+        def on_iteration(self, trainer, metrics):
+            if metrics["iteration"] == 2:
+                trainer.stop()
+
+    cfg = _cfg(tmp_path / "run", "train.iterations=5", "train.max_staleness=1", "train.async_mode=streaming",
+               "train.async_chunk=1", "threads=2", "train.save_every=10", "eval.before=false", env=slow_env)
+    with marft.MarftTrainer(cfg, log=None, callbacks=[StopAt2()]) as t:
+        assert t.train().stopped
+    with marft.MarftTrainer.resume(tmp_path / "run", log=None) as t:
+        t.train()
+    assert len(taken) == len(set(taken)) and len(taken) >= 5 * cfg.rollout.episodes
+    assert [m["iteration"] for m in _metrics(tmp_path / "run")] == [1, 2, 3, 4, 5]

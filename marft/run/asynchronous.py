@@ -36,9 +36,9 @@ Two modes (``train.async_mode``):
 
 Episodes still being played when a run stops or is killed are discarded; a checkpoint records how
 many there were, and the resumed run counts them (``async/discarded``). In streaming mode the
-resumed run starts from the first chunk of the iteration after the checkpoint's: a later chunk a
-batch had taken early is played and trained again, an earlier one still being played is not (the
-checkpoint keeps versions, not which chunks were taken). While generation runs, the
+checkpoint also records which chunks the batches had taken (the first not taken, and later ones
+taken early), so the resumed run plays each chunk the uninterrupted run would still have played,
+once: none trained twice, none skipped. While generation runs, the
 CPU's threads are split between the learner (this thread) and generation, half each (at least
 one); evaluations before the first batch and after the last have them all.
 
@@ -174,8 +174,10 @@ class AsyncEpisodes:
         self.stopping = False
         self.error: BaseException | None = None
         self.results: dict[int, Rollout] = {}  # pipelined: iteration -> its batch
-        self.done: list[Rollout] = []  # streaming: chunks in the order they completed
+        self.done: list[tuple[tuple[int, int], Rollout]] = []  # streaming: (chunk, its episodes) in the order they completed
         self.next_job = None  # streaming: the next chunk to play, (iteration, chunk)
+        self.taken: set[tuple[int, int]] = set()  # streaming: chunks the batches have taken (used or dropped)
+        self.resume_at: tuple[int, int] | None = None  # streaming, resumed: the first chunk no batch had taken
         self.first = 0  # the first iteration this process plays
         self.started = self.dropped_chunks = self.lost = 0  # streaming: chunks started, dropped as too stale, lost to an error
         self.running = 0  # episodes being played
@@ -236,7 +238,7 @@ class AsyncEpisodes:
             targets = [(self._pipelined, (it,))]
         else:
             self.chunk = async_chunk(self.cfg)
-            self.next_job = (it, 0)
+            self.next_job = next_chunk(None, self.resume_at or (it, 0), self.E // self.chunk, self.taken)
             n = min(64, (self.k + 1) * (self.E // self.chunk))
             targets = [(self._streaming, ())] * n
         for k, (fn, args) in enumerate(targets):
@@ -297,7 +299,7 @@ class AsyncEpisodes:
                 if not self._wait_for(self._may_start):
                     return
                 t, q = self.next_job
-                self.next_job = (t, q + 1) if q + 1 < per else (t + 1, 0)
+                self.next_job = next_chunk((t, q), None, per, self.taken)
                 self.started += 1
                 self.running += self.chunk
             try:
@@ -312,7 +314,7 @@ class AsyncEpisodes:
                     self.running -= self.chunk
                     self.cv.notify_all()
             with self.cv:
-                self.done.append(out)
+                self.done.append(((t, q), out))
                 self.cv.notify_all()
 
     def _may_start(self) -> bool:
@@ -340,7 +342,8 @@ class AsyncEpisodes:
                 parts, count = [], 0
                 while count < self.E:
                     self._wait_batch(lambda: bool(self.done))
-                    part = self.done.pop(0)
+                    key, part = self.done.pop(0)
+                    self.taken.add(key)
                     if iteration - _oldest(part, iteration) > self.k:
                         dropped += len(part.steps)
                         self.dropped_chunks += 1  # a new chunk may start in its place
@@ -378,13 +381,19 @@ class AsyncEpisodes:
         return getattr(self, "_metrics", {})
 
     def state(self) -> dict:
-        """The versions batches after the checkpoint may still play with, and the episodes in flight."""
+        """The versions batches after the checkpoint may still play with, the episodes in flight and,
+        streaming, the first chunk no batch has taken and the later ones taken early: a resumed run
+        plays the chunks the uninterrupted one would still have played, each once."""
         with self.cv:
-            return {"versions": versions_state(self.versions, self.latest), "ahead": self._ahead()}
+            out = {"versions": versions_state(self.versions, self.latest), "ahead": self._ahead()}
+            if self.mode == "streaming" and self.next_job is not None:
+                first = next_chunk(None, self.resume_at or (self.first, 0), self.E // self.chunk, self.taken)
+                out["chunks"] = {"first": first, "taken": sorted(k for k in self.taken if k > first)}
+            return out
 
     def _ahead(self) -> int:
         """Episodes played or being played beyond the batches handed over (the condition held)."""
-        return sum(len(r.steps) for r in (*self.results.values(), *self.done)) + self.running
+        return sum(len(r.steps) for r in (*self.results.values(), *(r for _, r in self.done))) + self.running
 
     def load(self, state: dict) -> None:
         device = next(iter(self.models.bases.values())).device
@@ -392,6 +401,10 @@ class AsyncEpisodes:
             self.versions.clear()  # not the adapters this process started with: the checkpoint's
             for v, s in state.get("versions", {}).items():
                 self.versions[v] = {a: {n: t.to(device) for n, t in w.items()} for a, w in s.items()}
+        chunks = state.get("chunks")
+        if chunks and self.mode == "streaming":  # the chunks before "first" and those in "taken" are trained on
+            self.resume_at = tuple(chunks["first"])
+            self.taken = {tuple(k) for k in chunks["taken"]}
         self.discarded = state.get("ahead", 0)
         if self.discarded:
             self.log(f"asynchronous training: {self.discarded} episodes in flight when the checkpoint was written are discarded")
@@ -410,6 +423,17 @@ class AsyncEpisodes:
             self.gen_engine.close()
         finally:
             self.engine.close()
+
+
+def next_chunk(key: tuple[int, int] | None, start: tuple[int, int] | None, per: int, taken: set) -> tuple[int, int]:
+    """Streaming: the chunk after ``key`` (or ``start`` itself, when ``key`` is None) that no batch
+    has taken; chunks are (iteration, q) with ``per`` chunks an iteration."""
+    def after(k):
+        return (k[0], k[1] + 1) if k[1] + 1 < per else (k[0] + 1, 0)
+    k = start if key is None else after(key)
+    while k in taken:
+        k = after(k)
+    return k
 
 
 def adapter_snapshot(models, adapters: list[str]) -> dict[str, dict[str, torch.Tensor]]:
