@@ -362,8 +362,9 @@ def play_workflows(team, server, workflow: Callable, problems: list[dict], rewar
     seconds = time.perf_counter() - start
     if shared is not None:
         shared.close()  # an abandoned episode's next request fails (it is left out already)
-    calls = [_kept(server.calls(i), ep.kept) for i, ep in zip(ids, episodes)]
-    dropped = sum(len(server.calls(i)) - len(c) for i, c in zip(ids, calls))
+    recorded = [server.calls(i) for i in ids]
+    calls = [_kept(r, ep.kept) for r, ep in zip(recorded, episodes)]
+    dropped = sum(len(r) - len(c) for r, c in zip(recorded, calls))
     if dropped:
         warn_once(f"warning: {dropped} call(s) whose replies the workflow never received (it returned, or gave up on "
                   "them, before they came) are left out of their episodes; said once per run", key="calls_not_received")
