@@ -122,29 +122,37 @@ def _flatten(data: dict, prefix: str) -> list[tuple[str, Any]]:
 # evaluation
 
 def evaluate(config: RunConfig, adapters: str | Path | None = None, without: Iterable[str] = (),
-             output: str | Path | None = None, progress: Callable[[int, int, int], None] | None = None) -> dict:
+             output: str | Path | None = None, progress: Callable[[int, int, int], None] | None = None,
+             critic: bool = True) -> dict:
     """The team of ``config`` on its held-out problems (``eval.problems`` x ``eval.samples``):
     untrained, or with the trained ``adapters`` (a run folder, a checkpoint, or its ``adapters/``
     folder), optionally ``without`` some agents. Returns the result dict (``accuracy``, ``ci95``,
     ``extraction_rate``, ``pass_at_k``, per-agent lengths, ``transcripts``...) and writes it to
-    ``output`` as JSON when given. ``progress(done, total, tokens)`` is called after every turn."""
+    ``output`` as JSON when given. ``progress(done, total, tokens)`` is called after every turn.
+    With ``critic`` and a checkpoint that holds a critic (its ``critic/`` folder, beside
+    ``adapters/``), the whole team's evaluation also scores the critic on the held-out episodes:
+    ``result["critic"]`` (:class:`marft.run.evaluation.CriticCheck`)."""
     from .engines import make_engine
-    from .run.evaluation import evaluate as run_evaluation, write_json
+    from .run.evaluation import critic_check, evaluate as run_evaluation, write_json
 
     cfg = config
     without = list(without or cfg.eval.without)
     if output is not None:
         output_file(Path(output), "eval.output")  # fail now, not after the evaluation
     team, models, make_env = prepare(cfg)
+    check = None
     if adapters:
-        models.load_adapters(adapters_folder(adapters))
+        folder = adapters_folder(adapters)
+        models.load_adapters(folder)
+        if critic and not without:
+            check = critic_check(cfg, team, models, folder.parent)
     if without:
         team = team.without(without)
         make_env = env_factory(cfg, team)
     num = num_problems(make_env)
     engine = make_engine(cfg, models)  # after the adapters are loaded: the vllm engine copies them
     try:
-        result = run_evaluation(cfg, team, engine, make_env, num, progress)
+        result = run_evaluation(cfg, team, engine, make_env, num, progress, check)
     finally:
         engine.close()
     result["adapters"] = str(adapters) if adapters else None

@@ -29,6 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("config", help="YAML config (see configs/)")
     ev.add_argument("overrides", nargs="*", help="key=value overrides, e.g. eval.problems=32 rollout.temperature=0.8")
     ev.add_argument("--adapters", help="folder of trained adapters (one subfolder per adapter)")
+    ev.add_argument("--no-critic", action="store_true", help="do not score the checkpoint's critic on the held-out "
+                                                             "episodes (scored where --adapters is a checkpoint with one)")
     ev.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
     tr = sub.add_parser("train", help="train a team with MARFT (or IPPO / GRPO), evaluating before and after")
@@ -179,7 +181,7 @@ def cmd_eval(args) -> int:
                 last = done
                 console.print(f"evaluating: {done}/{total} episodes, {tokens / elapsed:.0f} tok/s, {elapsed / 60:.1f} min")
 
-        result = evaluate(cfg, args.adapters, cfg.eval.without, progress=progress)
+        result = evaluate(cfg, args.adapters, cfg.eval.without, progress=progress, critic=not args.no_critic)
     result = {**result, "config": args.config}
     write_json(result, out)
     Console().print(format_table(result, title=f"{' -> '.join(result['agents'])} on {task_label(cfg)}"

@@ -254,3 +254,52 @@ def test_the_critic_adapter_has_no_dropout_at_work(tmp_path):
         a = state_features(tr.models, "speaker", states, adapter="critic")
         b = state_features(tr.models, "speaker", states, adapter="critic")
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("algorithm,critic", [("marft", "lora"), ("ippo", "head")])
+def test_a_checkpoints_critic_is_saved_whole_and_scored_on_held_out_episodes(tmp_path, algorithm, critic):
+    """A checkpoint holds its critic as a folder (value_heads.safetensors and critic.json; a learning
+    critic's adapter in adapters/critic), trainer.pt only the optimisers (a learning critic's update
+    counts in the MFU, mfu/critic_update); marft.evaluate on the
+    checkpoint loads it and scores it on the held-out episodes: with one step, gamma 1 and the
+    reward at the end, every turn's return is its episode's reward, so the critic's mean return is
+    the evaluation's mean reward."""
+    from marft.run.checkpoints import read_critic
+
+    over = [*U.BASE, *U.ENV, "task.horizon=1", f"train.algorithm={algorithm}", f"train.critic={critic}",
+            "train.iterations=1", f"output_dir={tmp_path / 'run'}"]
+    cfg = marft.load_config(str(ROOT / U.DUO), over)
+    with marft.MarftTrainer(cfg, log=None) as t:
+        metrics = t.train().metrics[-1]
+        trained = {k: {n: p.detach().clone() for n, p in h.state_dict().items()} for k, h in t.trainer.heads.items()}
+    # a learning critic's update is model work (forward and backward through its adapter): in the MFU
+    assert (metrics.get("mfu/critic_update", 0) > 0) == (critic == "lora")
+    ckpt = tmp_path / "run" / "checkpoints" / "iter_000001"
+    about, heads = read_critic(ckpt)
+    assert about == {"kind": critic, "algorithm": algorithm, "adapter": "critic" if critic == "lora" else None,
+                     "heads": {k: trained[k]["net.0.weight"].shape[1] for k in trained}}
+    assert heads.keys() == trained.keys() and all(torch.equal(heads[k][n], trained[k][n]) for k in trained for n in trained[k])
+    assert "heads" not in torch.load(ckpt / "trainer.pt", weights_only=False)
+    assert (ckpt / "adapters" / "critic").is_dir() == (critic == "lora")
+
+    result = marft.evaluate(cfg, tmp_path / "run")
+    got = result["critic"]
+    assert got["kind"] == critic and got["algorithm"] == algorithm and got["heads"].keys() == trained.keys()
+    n = result["problems"] * result["samples"]
+    for key, h in got["heads"].items():
+        assert h["entries"] == (2 * n if key == "team" else n)  # every turn of the team, or the agent's own
+        assert h["mean_return"] == pytest.approx(result["mean_reward"], abs=1e-6)
+        assert h["mse"] >= 0 and (h["explained_variance"] is None or h["explained_variance"] <= 1)
+    assert "critic" not in marft.evaluate(cfg, tmp_path / "run", critic=False)
+    assert "critic" not in marft.evaluate(cfg, tmp_path / "run", without=["planner"])
+
+
+def test_a_critic_that_does_not_fit_the_team_is_one_line(tmp_path):
+    cfg = marft.load_config(str(ROOT / U.DUO), [*U.BASE, *U.ENV, "train.algorithm=ippo", "train.iterations=1",
+                                                f"output_dir={tmp_path / 'run'}"])
+    with marft.MarftTrainer(cfg, log=None) as t:
+        t.train()
+    other = marft.load_config(str(ROOT / U.DUO), [*U.BASE, *U.ENV, "team.agents.0.name=writer", "team.agents.0.adapter=planner",
+                                                  f"output_dir={tmp_path / 'e'}"])
+    with pytest.raises(UserError, match="do not fit the team writer, solver; evaluate with the config it was trained with"):
+        marft.evaluate(other, tmp_path / "run")

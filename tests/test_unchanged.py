@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 from conftest import varies
+from marft.run.checkpoints import read_critic
 
 RECORD = Path(__file__).parent / "data" / "unchanged.json"
 TASK = Path(__file__).parent / "data" / "unchanged_task.py"
@@ -99,6 +100,8 @@ def summarise(run_dir: Path) -> dict:
         adapters = {str(p.relative_to(ckpt)): hashlib.sha256(p.read_bytes()).hexdigest()
                     for p in sorted((ckpt / "adapters").rglob("*.safetensors"))}
         state = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=False)
+        critic = read_critic(ckpt)  # the heads: the checkpoint's critic/ folder (in trainer.pt before it had one)
+        state["heads"] = critic[1] if critic else state.get("heads", {})
         parts = {}
         for key in ("heads", "critic_opt", "policy_opt", "torch_rng", "iteration", "bad_in_a_row"):
             h = hashlib.sha256()

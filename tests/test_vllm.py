@@ -218,3 +218,19 @@ def test_a_workflow_plays_on_the_vllm_engine_as_on_the_hf_engine(setup):
         assert not out.failed.any() and server.batches == [("planner", 3), ("solver", 3)]
         got[name] = ([t.texts for t in out.turns], out.rewards.tolist())
     assert got["vllm"] == got["hf"]
+
+
+def test_a_learning_critics_adapter_is_not_served(setup, tmp_path):
+    """train.critic=lora adds the critic's adapter to the team's model; the engine serves the agents'
+    adapters only (the critic answers no request), each update too. Last in the module: it leaves
+    the critic's adapter in the shared model."""
+    from marft.assemble import build_trainer
+
+    team, models, engine = setup
+    cfg = load_config(None, ["model.dtype=float32", "model.device=cpu", "rollout.episodes=4", "rollout.max_new_tokens=8",
+                             "rollout.temperature=1.0", "rollout.engine=vllm", "train.minibatch_size=2",
+                             "train.critic=lora", f"output_dir={tmp_path}"])
+    trainer = build_trainer(cfg, team, models, lambda: Echo(team.names, team.answering, 1), log=lambda m: None, engine=engine)
+    assert "critic" in models.base_of
+    trainer.iteration_step()
+    assert sorted(engine._lora) == sorted(team.adapters) and not any("critic" in p.name for p in engine._dir.glob("v*/*"))

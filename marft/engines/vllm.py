@@ -89,7 +89,7 @@ class VLLMEngine(Engine):
         self.llms: dict[str, object] = {}  # base model name -> vllm.LLM
         self.stops: dict[str, list[int]] = {}
         for base, peft in models.bases.items():
-            adapters = [a for a, b in models.base_of.items() if b == base]
+            adapters = [a for a in models.team.adapters if models.base_of[a] == base]
             dtype = str(next(peft.parameters()).dtype).removeprefix("torch.")
             kwargs = dict(model=resolve_model(base, model_cfg.cache_dir), dtype=dtype, seed=seed,
                           enable_lora=True, max_lora_rank=model_cfg.lora.r, max_loras=len(adapters),
@@ -122,14 +122,16 @@ class VLLMEngine(Engine):
     # ---------------------------------------------------------------- adapters
     def update(self) -> None:
         """Serve the team's current adapters: save each in PEFT's format under a new version, give
-        it a new id, and drop the previous version from the engines and from disk."""
+        it a new id, and drop the previous version from the engines and from disk. The agents'
+        adapters only: a learning critic's (``train.critic: lora``) answers no request."""
         if self.sleep:
             for llm in self.llms.values():
                 llm.wake_up()
         self.version += 1
         folder = self._dir / f"v{self.version}"
         old = dict(self._lora)
-        for adapter, base in self.models.base_of.items():
+        for adapter in self.models.team.adapters:
+            base = self.models.base_of[adapter]
             self.models.bases[base].save_pretrained(str(folder), selected_adapters=[adapter])
             path = folder / adapter if (folder / adapter).is_dir() else folder  # PEFT keeps "default" at the top
             self._lora[adapter] = self._LoRARequest(f"{adapter}@v{self.version}", next(self._ids), str(path))

@@ -1,7 +1,8 @@
 """The statistics of the package, pure functions: intervals of an accuracy over problems (Wilson,
 :func:`accuracy_interval`), of a mean over tasks (:func:`macro_interval`) and over seeds
 (:func:`seed_interval`, :func:`welch_interval` with Student's t, :func:`t_quantile_975`), pass@k
-(:func:`pass_at_k`) and Spearman's rank correlation (:func:`spearman`).
+(:func:`pass_at_k`), Spearman's rank correlation (:func:`spearman`) and a critic's explained
+variance (:func:`explained_variance`).
 
 Used by the evaluation (:mod:`marft.run.evaluation`) and the reports (:mod:`marft.experiments.report`).
 Imports only math, statistics and torch.
@@ -135,3 +136,13 @@ def spearman(x: list[float], y: list[float]) -> float | None:
     if len(x) < 3 or len(set(x)) < 2 or len(set(y)) < 2:
         return None
     return statistics.correlation(ranks(x), ranks(y))
+
+
+def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float | None:
+    """1 - Var(R - V) / Var(R) of returns R and a critic's values V (1: perfect; 0: no better than
+    the mean return; below 0: worse), in float64; None for fewer than two entries or returns that
+    vary by no more than float rounding (then the ratio means nothing: one such batch gave -1.9e15)."""
+    ret, val = returns.double().flatten(), values.double().flatten()
+    if len(ret) < 2 or not float(ret.std()) > 1e-6 * max(1.0, float(ret.abs().max())):
+        return None
+    return float(1 - (ret - val).var() / ret.var())

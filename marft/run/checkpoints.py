@@ -177,3 +177,44 @@ def truncate_metrics(path: Path, iteration: int) -> None:
         except json.JSONDecodeError:
             break  # a line cut by a kill
     write_atomic(path, "".join(line + "\n" for line in keep))
+
+
+CRITIC_FOLDER = "critic"  # a checkpoint's critic: its value heads and what they are
+
+
+def write_critic(folder: Path, heads: dict, about: dict) -> None:
+    """The value heads (``{head: module}``; ``"team"`` or an agent's name) into ``folder/critic/``:
+    ``value_heads.safetensors`` (tensors named ``<head>/<parameter>``) and ``critic.json``
+    (``about``: the critic's kind, algorithm and adapter, with the heads' names and widths added).
+    A learning critic's adapter is saved with the agents' (``adapters/<adapter>``). Nothing for a
+    critic-free algorithm."""
+    if not heads:
+        return
+    from safetensors.torch import save_file
+
+    out = Path(folder) / CRITIC_FOLDER
+    out.mkdir()
+    save_file({f"{key}/{name}": t.detach().cpu().contiguous() for key, head in heads.items()
+               for name, t in head.state_dict().items()}, str(out / "value_heads.safetensors"))
+    widths = {key: int(head.state_dict()["net.0.weight"].shape[1]) for key, head in heads.items()}
+    (out / "critic.json").write_text(json.dumps({**about, "heads": widths}, indent=2) + "\n")
+
+
+def read_critic(checkpoint: Path) -> tuple[dict, dict] | None:
+    """``(about, {head: state_dict})`` of the critic :func:`write_critic` saved in ``checkpoint``, or
+    None where it has none (a critic-free run, or a checkpoint written before the critic had its
+    folder: its heads are in ``trainer.pt``). A one-line error when the files are unreadable."""
+    folder = Path(checkpoint) / CRITIC_FOLDER
+    if not folder.is_dir():
+        return None
+    from safetensors.torch import load_file
+
+    try:
+        about = json.loads((folder / "critic.json").read_text())
+        tensors = load_file(str(folder / "value_heads.safetensors"))
+        heads = {key: {name[len(key) + 1:]: t for name, t in tensors.items() if name.startswith(f"{key}/")}
+                 for key in about["heads"]}
+    except Exception as e:  # noqa: BLE001 - a missing, truncated or foreign file: say which folder
+        raise UserError(f"the critic in {folder} cannot be read ({type(e).__name__}: {str(e)[:80]}); "
+                        "the checkpoint is incomplete: use an earlier one") from None
+    return about, heads

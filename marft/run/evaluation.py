@@ -17,12 +17,13 @@ from ..maths.stats import accuracy_interval, macro_interval, pass_at_k
 from .rollout import episode_runner
 
 
-def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progress=None) -> dict:
+def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progress=None, critic=None) -> dict:
     """Run the team on the first ``eval.problems`` test problems (fewer if the split is smaller),
     ``eval.samples`` times each, ``rollout.episodes`` at a time. ``models`` is an engine
     (:mod:`marft.engines`) or a :class:`TeamModel` (then the engine ``rollout.engine`` names is
     built for this evaluation and closed after it). ``progress(done, total, tokens)`` is called
-    after every agent turn.
+    after every agent turn. ``critic`` (a :class:`CriticCheck`) sees every batch of episodes and
+    its summary goes under ``critic``: how well a trained critic predicts the held-out returns.
 
     A mixture of tasks (``make_env`` a :class:`marft.envs.mixture.MixtureFactory` of several) is
     scored on every task's own first ``eval.problems`` held-out problems, each task in batches of its
@@ -34,7 +35,7 @@ def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progr
     if isinstance(models, TeamModel):
         engine = make_engine(cfg, models)
         try:
-            return evaluate(cfg, team, engine, make_env, num_problems, progress)
+            return evaluate(cfg, team, engine, make_env, num_problems, progress, critic)
         finally:
             engine.close()
     from .config import horizon as run_horizon
@@ -75,6 +76,8 @@ def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progr
             out = episode_runner(cfg)(team, models, make_env, chunk, sampling, h, generator, on_turn, ro.env_timeout_s,
                                   schedule=schedule)
             rec.add(lo, out, kept)
+            if critic is not None:
+                critic.add(out)
             done_eps = lo + len(chunk)
             if progress:
                 progress(done_eps, total, tokens)
@@ -91,7 +94,84 @@ def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progr
         for task, r in overall["tasks"].items():
             for t in r["transcripts"]:  # the same records as the top's: each says its task
                 t["task"] = task
+    if critic is not None:
+        overall["critic"] = critic.summary()
     return overall
+
+
+class CriticCheck:
+    """How well a trained critic (a checkpoint's value heads, :func:`marft.run.checkpoints.read_critic`,
+    with its adapter for ``train.critic: lora``) predicts the returns of held-out episodes: per head
+    (``"team"``, or an agent's for IPPO) the explained variance, the mean squared error, the mean
+    value and the mean return over its entries (turns; at token level reply tokens). The returns are
+    the discounted returns the episodes got (``train.gamma``, λ = 1: no value of a later state in
+    them), the values those of :attr:`algorithm`'s targets, as in training."""
+
+    def __init__(self, cfg, team_names: list[str], models, heads: dict, algorithm, adapter: str | None, source: str):
+        import dataclasses
+
+        self.train = dataclasses.replace(cfg.train, lam=1.0)
+        self.names, self.models, self.heads, self.algorithm, self.adapter = team_names, models, heads, algorithm, adapter
+        self.source = source
+        self.got: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {key: [] for key in heads}
+
+    def add(self, out) -> None:
+        from ..engines.packing import PassWork
+        from ..maths.algorithms import TargetInputs
+        from .trainer import head_entries
+
+        with torch.no_grad():
+            targets = self.algorithm.targets(TargetInputs(self.train, self.names, self.models, self.heads, PassWork(),
+                                                          self.adapter), out)
+        for key in self.heads:
+            self.got[key].append(head_entries(out, targets, key, self.algorithm.token_level))
+
+    def summary(self) -> dict:
+        from ..maths.stats import explained_variance
+
+        heads = {}
+        for key, parts in self.got.items():
+            ret = torch.cat([r for r, _ in parts]).double() if parts else torch.zeros(0, dtype=torch.float64)
+            val = torch.cat([v for _, v in parts]).double() if parts else torch.zeros(0, dtype=torch.float64)
+            heads[key] = {"entries": len(ret), "explained_variance": explained_variance(ret, val),
+                          "mse": float(((ret - val) ** 2).mean()) if len(ret) else None,
+                          "mean_value": float(val.mean()) if len(ret) else None,
+                          "mean_return": float(ret.mean()) if len(ret) else None}
+        return {"checkpoint": self.source, "kind": "lora" if self.adapter else "head",
+                "algorithm": self.algorithm.name, "heads": heads}
+
+
+def critic_check(cfg, team, models, checkpoint: Path) -> CriticCheck | None:
+    """The :class:`CriticCheck` of the critic saved in ``checkpoint`` (its ``critic/`` folder), or
+    None where it has none. A learning critic's adapter (``adapters/<adapter>`` of the checkpoint) is
+    added to ``models`` and loaded; a one-line error when the critic does not fit the team."""
+    from ..errors import UserError
+    from ..maths.algorithms import ALGORITHMS
+    from .checkpoints import read_critic
+
+    found = read_critic(checkpoint)
+    if found is None:
+        return None
+    about, states = found
+    algorithm = ALGORITHMS.get(about.get("algorithm"))
+    widths = about["heads"]
+    want = set(algorithm.make_heads(team.names, 1)) if algorithm else set()
+    if not want or want != set(widths):
+        raise UserError(f"the critic in {checkpoint / 'critic'} has heads {', '.join(widths)} of {about.get('algorithm')}, "
+                        f"which do not fit the team {', '.join(team.names)}; evaluate with the config it was trained with")
+    heads = algorithm.make_heads(team.names, {a: widths["team"] if "team" in widths else widths[a] for a in team.names})
+    for key, head in heads.items():
+        try:
+            head.load_state_dict(states[key])
+        except RuntimeError as e:
+            raise UserError(f"the critic in {checkpoint / 'critic'} does not fit the team's models "
+                            f"({str(e).splitlines()[0][:100]}); evaluate with the config it was trained with") from None
+        head.eval()
+    adapter = about.get("adapter")
+    if adapter:
+        models.add_critic_adapter(adapter)
+        models.load_adapter(adapter, checkpoint / "adapters" / adapter)
+    return CriticCheck(cfg, team.names, models, heads, algorithm, adapter, str(checkpoint))
 
 
 class _Record:
@@ -197,6 +277,12 @@ def format_table(result: dict, title: str = "evaluation"):
     table.add_row("mean reward", f"{result['mean_reward']:.3f}")
     for agent, a in result["agents"].items():
         table.add_row(f"{agent}: mean reply tokens", f"{a['mean_tokens']:.1f}  ({100 * a['truncated']:.0f}% cut)")
+    for key, h in (result.get("critic") or {}).get("heads", {}).items():
+        name = "critic" if key == "team" else f"critic of {key}"
+        ev = "-" if h["explained_variance"] is None else f"{h['explained_variance']:.3f}"
+        if h["entries"]:
+            table.add_row(f"{name}: explained variance, mean value / return",
+                          f"{ev}, {h['mean_value']:.3f} / {h['mean_return']:.3f}")
     table.add_row("generated tokens/s", f"{result['tokens_per_s']:.1f}")
     table.add_row("wall time", f"{result['seconds']:.1f} s")
     return table

@@ -46,8 +46,9 @@ from ..engines import flops, packing
 from ..engines.machine import memory_stats
 from ..errors import UserError
 from ..maths.algorithms import ALGORITHMS, TargetInputs, TurnTargets
+from ..maths.stats import explained_variance
 from ..turns import Rollout
-from .checkpoints import latest_checkpoint, read_state, write_checkpoint
+from .checkpoints import latest_checkpoint, read_critic, read_state, write_checkpoint, write_critic
 from .config import RunConfig, is_workflow, save_config, task_label
 from .episodes import EpisodeSource, episode_resets, iteration_seed
 from .learner import PolicyBatch, metric_prefix
@@ -125,6 +126,8 @@ class Trainer:
                 "behaviour_logprobs": (self._flops["behaviour"], times["behaviour_logprobs_s"]),
                 "learner": (self._flops["learner"], times["learner_s"]),
                 "critic_features": (self._critic_work.flops(shape), times["critic_features_s"])}
+        if self.critic.adapter is not None:  # a learning critic's passes, forward and backward (a frozen head's MLP is not model work)
+            work["critic_update"] = (self.critic.work.flops(shape, backward=True), times["critic_update_s"])
         rate = flops.machine_rate(self._base())
         device = next(self._base().parameters()).device
         mfu = {f"mfu/{k}": flops.mfu(f, s, rate) for k, (f, s) in work.items()}
@@ -314,6 +317,7 @@ class Trainer:
 
         def fill(folder: Path) -> None:
             self.models.save_adapters(folder / "adapters")
+            write_critic(folder, self.heads, self.critic.about())
             torch.save({
                 "iteration": self.iteration,
                 **self.critic.state(),
@@ -344,7 +348,8 @@ class Trainer:
             raise UserError(f"checkpoint {checkpoint} was written for team {state['team']} with adapters {state['adapters']} "
                             f"({state['algorithm']}), not {mine[0]} with adapters {mine[1]} ({mine[2]}); resume with the run's own config")
         self.models.load_adapters(checkpoint / "adapters")
-        self.critic.load(state)
+        critic = read_critic(checkpoint)  # None: critic-free, or written before the heads had their folder
+        self.critic.load(state, critic[1] if critic else state.get("heads", {}))
         self.policy.load(state["policy_opt"])  # the config's learning rates, not the saved ones: an override on resume counts
         self.iteration = state["iteration"]
         self.episodes.load(state.get("episodes", {}))
@@ -366,18 +371,14 @@ def critic_quality(agents: list[str], heads: list[str], token_level: bool, out: 
     """Whether a critic is learning (for every critic kind): ``<agent>/abs_advantage``, the mean
     absolute advantage of the agent's turns (before normalisation; for a critic-free algorithm too),
     and per value head (``"team"``, or an agent's) ``critic/explained_variance`` (or
-    ``critic/explained_variance/<agent>``) = 1 - Var(R - V) / Var(R) over its entries (the returns R
-    and the values V the advantages were computed with; at token level the reply tokens): 1 is a
-    perfect critic, 0 no better than the mean return, below 0 worse; omitted when every reward of the
-    batch's steps is the same, or the returns vary by no more than float rounding (then the ratio
-    means nothing: one such batch gave -1.9e15)."""
-    def entries(i: int, x: torch.Tensor) -> torch.Tensor:
-        return x[out.turns[i].response_mask[:, : x.shape[1]]] if token_level and x.dim() == 2 else x.flatten()
-
+    ``critic/explained_variance/<agent>``), :func:`marft.maths.stats.explained_variance` of its
+    entries (the returns and the values the advantages were computed with; at token level the reply
+    tokens); omitted when every reward of the batch's steps is the same, or the returns vary by no
+    more than float rounding."""
     stats = {}
     for agent in agents:
-        mine = [entries(i, targets[i].advantages.view(len(t.episodes), -1) if token_level else targets[i].advantages)
-                for i, t in enumerate(out.turns) if t.agent == agent]
+        mine = [_entries(out, i, targets[i].advantages.view(len(t.episodes), -1) if token_level else targets[i].advantages,
+                         token_level) for i, t in enumerate(out.turns) if t.agent == agent]
         if mine:
             stats[f"{agent}/abs_advantage"] = float(torch.cat(mine).abs().mean())
     from ..maths.advantages import valid_steps
@@ -386,15 +387,26 @@ def critic_quality(agents: list[str], heads: list[str], token_level: bool, out: 
     if not len(rewards) or not bool((rewards != rewards[0]).any()):
         return stats
     for key in heads:
-        idx = [i for i, t in enumerate(out.turns) if key in ("team", t.agent)]
-        if not idx:
-            continue
-        ret = torch.cat([entries(i, targets[i].returns) for i in idx]).double()
-        val = torch.cat([entries(i, targets[i].values) for i in idx]).double()
-        if len(ret) > 1 and float(ret.std()) > 1e-6 * max(1.0, float(ret.abs().max())):  # more than rounding
-            name = "critic/explained_variance" if key == "team" else f"critic/explained_variance/{key}"
-            stats[name] = float(1 - (ret - val).var() / ret.var())
+        ret, val = head_entries(out, targets, key, token_level)
+        ev = explained_variance(ret, val) if len(ret) else None
+        if ev is not None:
+            stats["critic/explained_variance" if key == "team" else f"critic/explained_variance/{key}"] = ev
     return stats
+
+
+def head_entries(out: Rollout, targets: list, key: str, token_level: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (returns, values) of value head ``key`` (``"team"``: every turn; else the agent's turns),
+    one entry per row, or at token level per reply token; empty where the head has no turn."""
+    idx = [i for i, t in enumerate(out.turns) if key in ("team", t.agent)]
+    if not idx:
+        return torch.zeros(0), torch.zeros(0)
+    return (torch.cat([_entries(out, i, targets[i].returns, token_level) for i in idx]),
+            torch.cat([_entries(out, i, targets[i].values, token_level) for i in idx]))
+
+
+def _entries(out: Rollout, i: int, x: torch.Tensor, token_level: bool) -> torch.Tensor:
+    """Turn ``i``'s entries of ``x``: at token level ([rows, tokens]) its reply tokens, else its rows."""
+    return x[out.turns[i].response_mask[:, : x.shape[1]]] if token_level and x.dim() == 2 else x.flatten()
 
 
 def degenerate_stats(cfg: RunConfig, out: Rollout) -> dict:

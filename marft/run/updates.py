@@ -16,6 +16,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from ..engines.packing import PassWork
 from ..maths import losses
 from ..maths.algorithms import TurnTargets
 from ..turns import Rollout
@@ -87,6 +88,7 @@ class CriticLearner:
         self.models, self.adapter, self.algorithm = models, adapter, algorithm
         self.adapter_optimizer = (torch.optim.AdamW(models.adapter_parameters(adapter), lr=cfg.train.critic_lora_lr)
                                   if adapter is not None else None)
+        self.work = PassWork()  # the last update's passes through the model (a learning critic's; MFU)
 
     def update(self, out: Rollout, targets: list[TurnTargets], iteration: int) -> tuple[dict, int]:
         """``train.critic_epochs`` passes over each head's rows (its agent's turns, or all for the
@@ -94,6 +96,7 @@ class CriticLearner:
         ``value_loss/<agent>``) and the number of updates skipped for a non-finite loss or gradient."""
         tr = self.cfg.train
         stats, skipped = {}, 0
+        self.work = PassWork()
         for key, head in self.heads.items():
             idx = [i for i, t in enumerate(out.turns) if key in ("team", t.agent)]
             if not idx:  # an agent an agent program did not call in this batch: nothing to fit
@@ -167,7 +170,7 @@ class CriticLearner:
         got: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # (turn, row) -> value, old, return
         for i, rs in by_turn.items():
             turn = out.turns[i]
-            v = head(self.algorithm.critic_features(self.models, turn, rs, adapter=self.adapter, grad=True))
+            v = head(self.algorithm.critic_features(self.models, turn, rs, adapter=self.adapter, grad=True, work=self.work))
             for k, r in enumerate(rs):
                 if self.token_level:  # the reply's tokens
                     m = turn.response_mask[r]
@@ -178,18 +181,24 @@ class CriticLearner:
         return losses.value_loss(values, old, ret, None, clip)
 
     def state(self) -> dict:
-        """The heads' and optimisers' states (for a checkpoint; a learning critic's adapter weights
-        are saved with the agents' adapters)."""
-        out = {"heads": {k: h.state_dict() for k, h in self.heads.items()},
-               "critic_opt": {k: o.state_dict() for k, o in self.optimizers.items()}}
+        """The optimisers' states (for a checkpoint's ``trainer.pt``; the heads go to its ``critic/``
+        folder, :meth:`about` says what they are, and a learning critic's adapter weights are saved
+        with the agents' adapters)."""
+        out = {"critic_opt": {k: o.state_dict() for k, o in self.optimizers.items()}}
         if self.adapter_optimizer is not None:
             out["critic_adapter_opt"] = self.adapter_optimizer.state_dict()
         return out
 
-    def load(self, state: dict) -> None:
-        """A checkpoint's heads and optimisers, with the config's learning rates (not the saved ones)."""
+    def about(self) -> dict:
+        """What the heads are (a checkpoint's ``critic/critic.json``): the critic's kind
+        (``train.critic``), the algorithm whose heads they are, and the critic's adapter (or None)."""
+        return {"kind": self.cfg.train.critic, "algorithm": self.cfg.train.algorithm, "adapter": self.adapter}
+
+    def load(self, state: dict, heads: dict) -> None:
+        """A checkpoint's heads (``{head: state_dict}``) and optimisers (``state``), with the config's
+        learning rates (not the saved ones)."""
         for k, h in self.heads.items():
-            h.load_state_dict(state["heads"][k])
+            h.load_state_dict(heads[k])
             self.optimizers[k].load_state_dict(state["critic_opt"][k])
             for group in self.optimizers[k].param_groups:
                 group["lr"] = self.cfg.train.critic_lr
