@@ -63,16 +63,18 @@ def build_training(cfg: RunConfig, run: RunFolder, log=print, callbacks=(), owne
     """A whole run (:class:`marft.run.training.Training`) of ``cfg`` in ``run``: seeds, team, models
     and tasks (:func:`marft.run.assemble.prepare`), a new run's adapters initialised from trained ones
     (``model.init_adapters``; a resumed run has its checkpoint's), the trainer from its parts
-    (:func:`build_trainer`), and a resumed run's checkpoint loaded, every check passing before
-    anything in the run folder changes."""
+    (:func:`build_trainer`), a new run's critic from a trained one (``model.init_critic``) and a
+    resumed run's checkpoint loaded, every check passing before anything in the run folder changes."""
     team, models, make_env = prepare(cfg)
     if not run.resumed:
         models.init_adapters(cfg.model.init_adapters)
     trainer = build_trainer(cfg, team, models, make_env, log=log)
-    if run.resumed:
-        try:
+    try:
+        if run.resumed:
             trainer.load(run.checkpoint)
-        except BaseException:
-            trainer.close()
-            raise
+        elif cfg.model.init_critic:
+            trainer.critic.start_from(cfg.model.init_critic)
+    except BaseException:
+        trainer.close()
+        raise
     return Training(cfg, run, team, models, make_env, trainer, log, callbacks, owner)

@@ -303,3 +303,38 @@ def test_a_critic_that_does_not_fit_the_team_is_one_line(tmp_path):
                                                   f"output_dir={tmp_path / 'e'}"])
     with pytest.raises(UserError, match="do not fit the team writer, solver; evaluate with the config it was trained with"):
         marft.evaluate(other, tmp_path / "run")
+
+
+def test_a_new_run_starts_from_a_trained_critic(tmp_path):
+    """model.init_critic: a new run's heads and critic adapter are those of the checkpoint named (a run
+    folder: its latest); a frozen critic's heads start a learning critic (its adapter fresh); what
+    cannot fit is one line each."""
+    from marft.run.checkpoints import read_critic
+
+    def config(name, *extra):
+        return marft.load_config(str(ROOT / U.DUO), [*U.BASE, *U.ENV, "train.iterations=1", *extra, f"output_dir={tmp_path / name}"])
+
+    for name, critic in (("lora", "lora"), ("head", "head")):
+        with marft.MarftTrainer(config(name, f"train.critic={critic}"), log=None) as t:
+            t.train()
+    saved = read_critic(tmp_path / "lora" / "checkpoints" / "iter_000001")[1]["team"]
+    with marft.MarftTrainer(config("warm", "train.critic=lora", f"model.init_critic={tmp_path / 'lora'}"), log=None) as t:
+        assert all(torch.equal(t.trainer.heads["team"].state_dict()[n], saved[n]) for n in saved)
+        from safetensors.torch import load_file
+
+        want = load_file(tmp_path / "lora" / "checkpoints" / "iter_000001" / "adapters" / "critic" / "adapter_model.safetensors")
+        got = t.models.adapter_state("critic")
+        assert len(got) == len(want) and all(torch.equal(got[k], want[k]) for k in want)
+    frozen = read_critic(tmp_path / "head" / "checkpoints" / "iter_000001")[1]["team"]
+    with marft.MarftTrainer(config("warm2", "train.critic=lora", f"model.init_critic={tmp_path / 'head' / 'checkpoints' / 'iter_000001'}"),
+                            log=None) as t:
+        assert all(torch.equal(t.trainer.heads["team"].state_dict()[n], frozen[n]) for n in frozen)
+        assert all(not v.any() for k, v in t.models.adapter_state("critic").items() if "lora_B" in k)  # a fresh adapter
+    for extra, says in ((["train.critic=head", f"model.init_critic={tmp_path / 'lora'}"], "is a learning one"),
+                        (["train.algorithm=ippo", f"model.init_critic={tmp_path / 'head'}"], "start from a critic of the same algorithm"),
+                        ([f"model.init_critic={tmp_path}"], "holds no saved critic")):
+        with pytest.raises(UserError, match=says) as e:
+            marft.MarftTrainer(config("refused", *extra), log=None)
+        assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match="grpo has no critic"):
+        config("grpo", "train.algorithm=grpo", "train.group_size=2", f"model.init_critic={tmp_path / 'head'}")

@@ -60,6 +60,12 @@ class ModelConfig:
     run starts only: a resumed run continues from its checkpoint, and ``marft eval``/``serve`` take
     ``--adapters``. ``{speaker1: .../speaker, speaker2: .../solver}`` starts a
     longer team from a shorter one's roles."""
+    init_critic: str = ""
+    """A trained critic this new run's starts from: a checkpoint (or a run folder: its latest) whose
+    ``critic/`` folder holds value heads for the same team and algorithm (``marft``, ``marft-token``
+    or ``ippo``), and for ``train.critic: lora`` its adapter (``adapters/critic``; a frozen critic's
+    heads start a learning critic too, its adapter then fresh). Empty: heads from ``seed``. Read
+    when a new run starts only, as ``init_adapters``."""
     cache_dir: str = ""
     """Where converted models are kept; empty: ``$MARFT_CACHE`` or ``~/.cache/marft``."""
     chat_template_kwargs: dict = field(default_factory=dict)
@@ -722,6 +728,9 @@ def validate(cfg: RunConfig) -> None:
     from ..maths.algorithms import ALGORITHMS
 
     _check(tr.algorithm in ALGORITHMS, f"train.algorithm must be one of {', '.join(ALGORITHMS)}, got {tr.algorithm!r}")
+    _check(not cfg.model.init_critic or ALGORITHMS[tr.algorithm].critic is not None,
+           f"model.init_critic: {tr.algorithm} has no critic (it is critic-free); use marft, marft-token or ippo, "
+           "or leave model.init_critic empty")
     _check(tr.iterations >= 0, f"train.iterations must be 0 or more, got {tr.iterations}")
     for name in ("gamma", "agent_gamma", "gamma_token", "lam"):
         v = getattr(tr, name)

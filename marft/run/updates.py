@@ -12,13 +12,14 @@ with the critic's adapter on features recomputed each minibatch (step 5 of an it
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable, Protocol
 
 import torch
 
 from ..engines.packing import PassWork
 from ..maths import losses
-from ..maths.algorithms import TurnTargets
+from ..maths.algorithms import ALGORITHMS, TurnTargets
 from ..turns import Rollout
 from .config import RunConfig
 from .episodes import iteration_seed
@@ -193,6 +194,38 @@ class CriticLearner:
         """What the heads are (a checkpoint's ``critic/critic.json``): the critic's kind
         (``train.critic``), the algorithm whose heads they are, and the critic's adapter (or None)."""
         return {"kind": self.cfg.train.critic, "algorithm": self.cfg.train.algorithm, "adapter": self.adapter}
+
+    def start_from(self, source: str | Path) -> None:
+        """``model.init_critic``: the heads, and a learning critic's adapter, of the critic saved in
+        ``source`` (a checkpoint, or a run folder: its latest), or a one-line error saying why they
+        cannot start this run's critic."""
+        from ..errors import UserError
+        from .checkpoints import latest_checkpoint, read_critic
+
+        p = Path(source)
+        ckpt = latest_checkpoint(p) if (p / "checkpoints").is_dir() else p
+        found = read_critic(ckpt) if ckpt is not None and ckpt.is_dir() else None
+        if found is None:
+            raise UserError(f"model.init_critic: {source} holds no saved critic (expected a checkpoint with a critic/ folder, "
+                            "or a run folder whose latest checkpoint has one, written by a run of marft, marft-token or ippo)")
+        about, heads = found
+        mine = {"kind": self.cfg.train.critic, "algorithm": self.cfg.train.algorithm}
+        if set(heads) != set(self.heads) or ALGORITHMS.get(about["algorithm"], None) is None or \
+                ALGORITHMS[about["algorithm"]].token_level != self.token_level:
+            raise UserError(f"model.init_critic: the critic in {ckpt} has heads {', '.join(heads)} of {about['algorithm']}; "
+                            f"this run's {mine['algorithm']} has {', '.join(self.heads) or 'none'}: start from a critic "
+                            "of the same algorithm and team")
+        if about["kind"] == "lora" and self.adapter is None:
+            raise UserError(f"model.init_critic: the critic in {ckpt} is a learning one (its heads read features through "
+                            "its adapter); start it with train.critic=lora")
+        for key, head in self.heads.items():
+            try:
+                head.load_state_dict(heads[key])
+            except RuntimeError as e:
+                raise UserError(f"model.init_critic: the critic in {ckpt} does not fit this run's model "
+                                f"({str(e).splitlines()[0][:100]}); start from a critic of the same base model") from None
+        if about["kind"] == "lora":
+            self.models.load_adapter(self.adapter, ckpt / "adapters" / about["adapter"])
 
     def load(self, state: dict, heads: dict) -> None:
         """A checkpoint's heads (``{head: state_dict}``) and optimisers (``state``), with the config's
