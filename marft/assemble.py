@@ -73,7 +73,7 @@ def build_training(cfg: RunConfig, run: RunFolder, log=print, callbacks=(), owne
         if run.resumed:
             trainer.load(run.checkpoint)
         elif cfg.model.init_critic:
-            trainer.critic.start_from(cfg.model.init_critic)
+            trainer.critic.start_from(cfg.model.init_critic, team.names)
     except BaseException:
         trainer.close()
         raise

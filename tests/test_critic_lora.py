@@ -256,17 +256,41 @@ def test_the_critic_adapter_has_no_dropout_at_work(tmp_path):
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("algorithm,critic", [("marft", "lora"), ("ippo", "head")])
+BREAKS = '''
+from marft.envs.base import Grade, Problem, TurnBasedEnv
+
+
+class Breaks(TurnBasedEnv):
+    """The held-out problems of odd index fail in the environment (their grading raises)."""
+
+    def new_problem(self, rng, split, index):
+        n = index if index is not None else rng.randrange(100)
+        return Problem(f"Say a word about {n}.", n)
+
+    def num_problems(self, split):
+        return 6 if split == "test" else None
+
+    def grade(self, problem, reply):
+        if problem.answer % 2:
+            raise RuntimeError("odd problem")
+        return Grade(True, True, score=float(len(reply) % 3))
+'''
+
+
+@pytest.mark.parametrize("algorithm,critic", [("marft", "lora"), ("ippo", "head"), ("marft-token", "lora")])
 def test_a_checkpoints_critic_is_saved_whole_and_scored_on_held_out_episodes(tmp_path, algorithm, critic):
     """A checkpoint holds its critic as a folder (value_heads.safetensors and critic.json; a learning
     critic's adapter in adapters/critic), trainer.pt only the optimisers (a learning critic's update
-    counts in the MFU, mfu/critic_update); marft.evaluate on the
-    checkpoint loads it and scores it on the held-out episodes: with one step, gamma 1 and the
-    reward at the end, every turn's return is its episode's reward, so the critic's mean return is
-    the evaluation's mean reward."""
+    counts in the MFU, mfu/critic_update); marft.evaluate on the checkpoint loads it and scores it on
+    the held-out episodes. With one step, gamma 1 and the reward at the end, every turn's return is
+    its episode's reward whatever train.lam (0.5 here: the scoring takes lambda 1, no value of a later
+    state in the return), so the critic's mean return is the evaluation's mean reward; heads rewritten
+    to a constant give that constant as every value; the critic's adapter is the checkpoint's."""
+    from safetensors.torch import load_file, save_file
+
     from marft.run.checkpoints import read_critic
 
-    over = [*U.BASE, *U.ENV, "task.horizon=1", f"train.algorithm={algorithm}", f"train.critic={critic}",
+    over = [*U.BASE, *U.ENV, "task.horizon=1", "train.lam=0.5", f"train.algorithm={algorithm}", f"train.critic={critic}",
             "train.iterations=1", f"output_dir={tmp_path / 'run'}"]
     cfg = marft.load_config(str(ROOT / U.DUO), over)
     with marft.MarftTrainer(cfg, log=None) as t:
@@ -277,7 +301,7 @@ def test_a_checkpoints_critic_is_saved_whole_and_scored_on_held_out_episodes(tmp
     ckpt = tmp_path / "run" / "checkpoints" / "iter_000001"
     about, heads = read_critic(ckpt)
     assert about == {"kind": critic, "algorithm": algorithm, "adapter": "critic" if critic == "lora" else None,
-                     "heads": {k: trained[k]["net.0.weight"].shape[1] for k in trained}}
+                     "team": ["planner", "solver"], "heads": {k: trained[k]["net.0.weight"].shape[1] for k in trained}}
     assert heads.keys() == trained.keys() and all(torch.equal(heads[k][n], trained[k][n]) for k in trained for n in trained[k])
     assert "heads" not in torch.load(ckpt / "trainer.pt", weights_only=False)
     assert (ckpt / "adapters" / "critic").is_dir() == (critic == "lora")
@@ -287,11 +311,79 @@ def test_a_checkpoints_critic_is_saved_whole_and_scored_on_held_out_episodes(tmp
     assert got["kind"] == critic and got["algorithm"] == algorithm and got["heads"].keys() == trained.keys()
     n = result["problems"] * result["samples"]
     for key, h in got["heads"].items():
-        assert h["entries"] == (2 * n if key == "team" else n)  # every turn of the team, or the agent's own
-        assert h["mean_return"] == pytest.approx(result["mean_reward"], abs=1e-6)
+        if algorithm == "marft-token":  # a value before each reply token
+            assert h["entries"] == result["generated_tokens"]
+        else:
+            assert h["entries"] == (2 * n if key == "team" else n)  # every turn of the team, or the agent's own
+            assert h["mean_return"] == pytest.approx(result["mean_reward"], abs=1e-6)
         assert h["mse"] >= 0 and (h["explained_variance"] is None or h["explained_variance"] <= 1)
     assert "critic" not in marft.evaluate(cfg, tmp_path / "run", critic=False)
     assert "critic" not in marft.evaluate(cfg, tmp_path / "run", without=["planner"])
+
+    # the heads read are the checkpoint's: a last layer of 0 with bias 0.25 values every state 0.25
+    saved = load_file(ckpt / "critic" / "value_heads.safetensors")
+    flat = {name: torch.zeros_like(t) + (0.25 if name.endswith("net.4.bias") else 0.0) if "/net.4." in name else t
+            for name, t in saved.items()}
+    save_file(flat, ckpt / "critic" / "value_heads.safetensors")
+    constant = marft.evaluate(cfg, tmp_path / "run")["critic"]["heads"]
+    for key, h in constant.items():
+        assert h["mean_value"] == pytest.approx(0.25) and h["mean_return"] == pytest.approx(got["heads"][key]["mean_return"], abs=1e-6)
+    if critic == "lora":  # the critic's adapter is the checkpoint's: another one moves the values
+        save_file(saved, ckpt / "critic" / "value_heads.safetensors")
+        weights = ckpt / "adapters" / "critic" / "adapter_model.safetensors"
+        save_file({k: v + 0.05 if "lora_B" in k else v for k, v in load_file(weights).items()}, weights)
+        moved = marft.evaluate(cfg, tmp_path / "run")["critic"]["heads"]
+        assert all(moved[k]["mean_value"] != got["heads"][k]["mean_value"] for k in got["heads"])
+
+
+def test_episodes_that_fail_are_left_out_of_the_critics_score(tmp_path):
+    """As training leaves them out: an episode whose environment failed (its reward 0 whatever was
+    said) is not a return the critic could have predicted."""
+    env = tmp_path / "breaks.py"
+    env.write_text(BREAKS)
+    common = [*U.BASE, "task.kind=custom", "task.options={}", f"task.env={env}:Breaks", "task.horizon=1", "eval.problems=6"]
+    cfg = marft.load_config(str(ROOT / U.DUO), [*common, "train.iterations=0", "eval.before=false",
+                                                f"output_dir={tmp_path / 'run'}"])
+    with marft.MarftTrainer(cfg, log=None) as t:
+        t.save()
+    result = marft.evaluate(cfg, tmp_path / "run")
+    assert result["failed_episodes"] == 3
+    h = result["critic"]["heads"]["team"]
+    assert h["entries"] == 2 * 3  # the three even problems' two turns
+    assert h["mean_return"] == pytest.approx(result["mean_reward"] * 6 / 3, abs=1e-6)
+
+
+def test_a_checkpoint_written_before_the_critic_had_its_folder_resumes(tmp_path):
+    """Checkpoints of earlier versions keep the heads in trainer.pt: they resume (to the run that was
+    not stopped) and their critic is read; a checkpoint with no heads at all is one line."""
+    import shutil
+
+    from marft.run.checkpoints import read_critic
+
+    over = [*U.BASE, *U.ENV, "train.critic=lora"]
+    with marft.MarftTrainer(marft.load_config(str(ROOT / U.DUO), [*over, f"output_dir={tmp_path / 'a'}"]), log=None) as t:
+        t.train()
+    with marft.MarftTrainer(marft.load_config(str(ROOT / U.DUO), [*over, "train.iterations=1", f"output_dir={tmp_path / 'b'}"]),
+                            log=None) as t:
+        t.train()
+    ckpt = tmp_path / "b" / "checkpoints" / "iter_000001"
+    about, heads = read_critic(ckpt)
+    state = torch.load(ckpt / "trainer.pt", weights_only=False)
+    torch.save({**state, "heads": heads}, ckpt / "trainer.pt")  # as written before critic/ existed
+    shutil.rmtree(ckpt / "critic")
+    old_about, old_heads = read_critic(ckpt)
+    assert old_about == about and all(torch.equal(old_heads["team"][n], heads["team"][n]) for n in heads["team"])
+    with marft.MarftTrainer.resume(tmp_path / "b", ["train.iterations=2"], log=None) as t:
+        t.train()
+    a, b = U.summarise(tmp_path / "a"), U.summarise(tmp_path / "b")
+    assert a["metrics"] == b["metrics"] and a["checkpoints"]["iter_000002"] == b["checkpoints"]["iter_000002"]
+
+    torch.save(state, ckpt / "trainer.pt")  # neither critic/ nor heads in trainer.pt
+    (tmp_path / "b" / "checkpoints" / "latest").write_text("iter_000001")
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "iter_000002")
+    with pytest.raises(UserError, match="has no value head 'team'") as e:
+        marft.MarftTrainer.resume(tmp_path / "b", ["train.iterations=2"], log=None)
+    assert "\n" not in str(e.value)
 
 
 def test_a_critic_that_does_not_fit_the_team_is_one_line(tmp_path):
@@ -301,8 +393,9 @@ def test_a_critic_that_does_not_fit_the_team_is_one_line(tmp_path):
         t.train()
     other = marft.load_config(str(ROOT / U.DUO), [*U.BASE, *U.ENV, "team.agents.0.name=writer", "team.agents.0.adapter=planner",
                                                   f"output_dir={tmp_path / 'e'}"])
-    with pytest.raises(UserError, match="do not fit the team writer, solver; evaluate with the config it was trained with"):
+    with pytest.raises(UserError, match="for team planner, solver, which does not fit the team writer, solver") as e:
         marft.evaluate(other, tmp_path / "run")
+    assert "\n" not in str(e.value)
 
 
 def test_a_new_run_starts_from_a_trained_critic(tmp_path):

@@ -75,7 +75,7 @@ grid:
     sweep = load_sweep(write(tmp_path / "s.yaml", text.format(out=tmp_path / "out", base=ROOT / "configs/duo_arithmetic.yaml")),
                        missing_ok=True)  # the adapter folders are not there: recorded, not refused
     assert sweep.common == ["train.iterations=2"]
-    assert sweep.runs[0].missing == [("planner", "duo/algorithm-marft__seed-0/adapters/planner")]
+    assert sweep.runs[0].missing == [("model.init_adapters.planner", "duo/algorithm-marft__seed-0/adapters/planner")]
     first, *_, last = sweep.runs
     assert first.overrides == ["model.init_adapters={planner: duo/algorithm-marft__seed-0/adapters/planner}",
                                "train.algorithm=marft", "seed=0"]
@@ -587,8 +587,8 @@ def test_a_run_whose_init_adapters_are_not_there_is_refused_before_anything_runs
     calls = []
     monkeypatch.setattr(sweep_module, "_execute", fake_executor(calls))
     message = ("sweep run seed-1: model.init_adapters.planner names duo/seed-1/planner, a folder that does not exist; "
-               "make it first (run the sweep or the training that saves it) or point model.init_adapters at an "
-               "adapter folder that exists; 1 other run(s) lack theirs too")
+               "make it first (run the sweep or the training that saves it) or point model.init_adapters.planner at a "
+               "folder that exists; 1 other run(s) lack theirs too")
     assert main(["sweep", str(path)]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [f"marft: error: {message}"]
     assert calls == [] and before == {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
@@ -611,3 +611,13 @@ def test_a_run_whose_init_adapters_are_not_there_is_refused_before_anything_runs
         (tmp_path / "out" / f"seed-{seed}" / "checkpoints" / "latest").write_text("iter_000001")
     assert main(["sweep", str(path)]) == 0
     assert calls == [("seed-0", False), ("seed-1", True), ("seed-3", True)]
+
+    # model.init_critic alike: a run started afresh from a critic not there is refused up front
+    capsys.readouterr()
+    path = write(tmp_path / "c.yaml", text.replace("model.init_adapters: {planner: 'duo/seed-${seed}/planner'}",
+                                                   "model.init_critic: 'duo/seed-${seed}'"))
+    assert main(["sweep", str(path), "--output-dir", "critic"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "marft: error: sweep run seed-1: model.init_critic names duo/seed-1, a folder that does not exist; make it first "
+        "(run the sweep or the training that saves it) or point model.init_critic at a folder that exists; 2 other run(s) "
+        "lack theirs too"]

@@ -22,8 +22,8 @@ than 40 characters (a name longer than 150) is cut to its start and a hash of th
 every time, and what ``--dry-run`` lists. Two runs whose names would be the same folder (values
 ``'Say hi!'`` and ``'Say hi?'``) are an error: give them labels (a mapping ``label: value``).
 Before anything runs, every run's config is loaded and checked, so a wrong key fails the sweep at once;
-so does a run to be started afresh whose ``model.init_adapters`` names a folder that does not exist
-(an earlier sweep's run not made yet: complete runs, and runs resumed from a checkpoint, read none).
+so does a run to be started afresh whose ``model.init_adapters`` or ``model.init_critic`` names a
+folder that does not exist (an earlier sweep's run not made yet: complete runs, and runs resumed from a checkpoint, read none).
 A value may name the run's labels: ``${seed}``, ``${algorithm}`` (any axis of its grid) become the
 run's label on that axis, in ``overrides`` as in a grid's values, e.g. ``model.init_adapters:
 {solver: results/duo/algorithm-${algorithm}__seed-${seed}/checkpoints/iter_000050/adapters/solver}``
@@ -85,7 +85,7 @@ class Run:
     overrides: list[str]  # key=value, after the sweep's common overrides
     status: str = "pending"  # pending | complete | failed (exit N) | running
     seconds: float = 0.0
-    missing: list[tuple[str, str]] = field(default_factory=list)  # (adapter, folder) of model.init_adapters not there
+    missing: list[tuple[str, str]] = field(default_factory=list)  # (setting, folder) of model.init_* folders not there
 
 
 @dataclass
@@ -174,7 +174,7 @@ def _axis(name: str, values, where: str) -> list[tuple[str, list[str]]]:
 
 def load_sweep(path: str | Path, output_dir: str | Path | None = None, missing_ok: bool = False) -> Sweep:
     """Read and check a sweep file: every run's config is loaded (and so validated) here, and a run
-    to start afresh whose ``model.init_adapters`` folders are not all there is refused
+    to start afresh whose ``model.init_adapters`` (or ``model.init_critic``) folders are not all there is refused
     (:func:`check_inputs`; with ``missing_ok`` only recorded in its ``missing``, for ``--dry-run``).
     ``output_dir``: where the runs go instead of the file's ``output_dir:`` (``--output-dir``)."""
     from ..run.config import load_config, read_yaml
@@ -235,25 +235,29 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None, missing_o
 
 
 def _missing_inputs(cfg, folder: Path) -> list[tuple[str, str]]:
-    """(adapter, folder) of each ``model.init_adapters`` folder that is not there, for a run that
-    would start afresh (``marft train`` reads them then only: a complete run needs nothing, a run with
-    a checkpoint resumes from it). A relative folder is relative to the current folder, as the runs'."""
-    if not cfg.model.init_adapters or run_state(folder) != "new":
+    """(setting, folder) of each ``model.init_adapters`` folder, and the ``model.init_critic`` one, that
+    is not there, for a run that would start afresh (``marft train`` reads them then only: a complete
+    run needs nothing, a run with a checkpoint resumes from it), the setting as
+    ``model.init_adapters.<adapter>`` or ``model.init_critic``. A relative folder is relative to the
+    current folder, as the runs'."""
+    wanted = [(f"model.init_adapters.{a}", f) for a, f in cfg.model.init_adapters.items()]
+    wanted += [("model.init_critic", cfg.model.init_critic)] if cfg.model.init_critic else []
+    if not wanted or run_state(folder) != "new":
         return []
-    return [(a, str(f)) for a, f in cfg.model.init_adapters.items() if not Path(f).is_dir()]
+    return [(key, str(f)) for key, f in wanted if not Path(f).is_dir()]
 
 
 def check_inputs(sweep: Sweep) -> None:
-    """One line for the first run that cannot start (a ``model.init_adapters`` folder not there),
+    """One line for the first run that cannot start (a ``model.init_adapters`` or ``model.init_critic``
+    folder not there),
     before anything runs: otherwise it would fail minutes in, each such run in turn."""
     lacking = [r for r in sweep.runs if r.missing]
     if not lacking:
         return
-    run, (adapter, folder) = lacking[0], lacking[0].missing[0]
+    run, (setting, folder) = lacking[0], lacking[0].missing[0]
     others = f"; {len(lacking) - 1} other run(s) lack theirs too" if len(lacking) > 1 else ""
-    raise UserError(f"sweep run {run.name}: model.init_adapters.{adapter} names {folder}, a folder that does not exist; "
-                    f"make it first (run the sweep or the training that saves it) or point model.init_adapters at an "
-                    f"adapter folder that exists{others}")
+    raise UserError(f"sweep run {run.name}: {setting} names {folder}, a folder that does not exist; make it first "
+                    f"(run the sweep or the training that saves it) or point {setting} at a folder that exists{others}")
 
 
 def _fill(overrides: list[str], labels: dict[str, str], where: str) -> list[str]:
@@ -536,7 +540,7 @@ def cmd_sweep(args) -> int:
         sweep.threads = args.threads
     if args.dry_run:
         for run in sweep.runs:  # a run that cannot start says so on its line: all of them, not the first only
-            missing = (f"; model.init_adapters.{run.missing[0][0]} {run.missing[0][1]} does not exist"
+            missing = (f"; {run.missing[0][0]} {run.missing[0][1]} does not exist"
                        + (f" (and {len(run.missing) - 1} more)" if len(run.missing) > 1 else "")) if run.missing else ""
             print(f"{run.name}  [{run_state(run.folder)}{missing}]  {' '.join(run.overrides)}")
         print(f"{len(sweep.runs)} runs in {sweep.output_dir}; base {sweep.base} with {' '.join(sweep.common)}")

@@ -201,20 +201,45 @@ def write_critic(folder: Path, heads: dict, about: dict) -> None:
 
 
 def read_critic(checkpoint: Path) -> tuple[dict, dict] | None:
-    """``(about, {head: state_dict})`` of the critic :func:`write_critic` saved in ``checkpoint``, or
-    None where it has none (a critic-free run, or a checkpoint written before the critic had its
-    folder: its heads are in ``trainer.pt``). A one-line error when the files are unreadable."""
-    folder = Path(checkpoint) / CRITIC_FOLDER
+    """``(about, {head: state_dict})`` of the critic :func:`write_critic` saved in ``checkpoint``; of
+    a checkpoint written before the critic had its folder, the heads its ``trainer.pt`` holds (their
+    kind and algorithm from the same file); None where it has none (a critic-free run). A one-line
+    error when the files are unreadable."""
+    checkpoint = Path(checkpoint)
+    folder = checkpoint / CRITIC_FOLDER
     if not folder.is_dir():
-        return None
+        if not (checkpoint / "trainer.pt").is_file():
+            return None
+        state = read_state(checkpoint)
+        heads = state.get("heads") or {}
+        if not heads:
+            return None
+        lora = "critic_adapter_opt" in state
+        return ({"kind": "lora" if lora else "head", "algorithm": state.get("algorithm"), "adapter": "critic" if lora else None,
+                 "team": state.get("team"), "heads": {k: int(h["net.0.weight"].shape[1]) for k, h in heads.items()}}, heads)
     from safetensors.torch import load_file
 
     try:
         about = json.loads((folder / "critic.json").read_text())
-        tensors = load_file(str(folder / "value_heads.safetensors"))
-        heads = {key: {name[len(key) + 1:]: t for name, t in tensors.items() if name.startswith(f"{key}/")}
-                 for key in about["heads"]}
+        heads: dict[str, dict] = {key: {} for key in about["heads"]}
+        for name, t in load_file(str(folder / "value_heads.safetensors")).items():
+            key, _, param = name.partition("/")  # agent names hold no "/" (marft/team.py)
+            heads[key][param] = t
     except Exception as e:  # noqa: BLE001 - a missing, truncated or foreign file: say which folder
-        raise UserError(f"the critic in {folder} cannot be read ({type(e).__name__}: {str(e)[:80]}); "
-                        "the checkpoint is incomplete: use an earlier one") from None
+        gist = " ".join(str(e).split())[:80]
+        raise UserError(f"the critic in {folder} cannot be read ({type(e).__name__}: {gist}); the checkpoint is "
+                        f"incomplete: write an earlier checkpoint's name into {checkpoint.parent / 'latest'}") from None
     return about, heads
+
+
+def critic_checkpoint(source: str | Path) -> Path | None:
+    """The checkpoint a critic is read from: ``source`` itself, the checkpoint of its ``adapters/``
+    folder, of ``checkpoints/latest`` or of a run folder (its latest); None where there is none."""
+    p = Path(source)
+    if p.name == "latest" and p.is_file():
+        p = p.parent.parent
+    if (p / "checkpoints").is_dir():
+        return latest_checkpoint(p)
+    if p.name == "adapters" and (p.parent / "trainer.pt").is_file():
+        return p.parent
+    return p if p.is_dir() else None

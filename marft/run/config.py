@@ -61,11 +61,11 @@ class ModelConfig:
     ``--adapters``. ``{speaker1: .../speaker, speaker2: .../solver}`` starts a
     longer team from a shorter one's roles."""
     init_critic: str = ""
-    """A trained critic this new run's starts from: a checkpoint (or a run folder: its latest) whose
-    ``critic/`` folder holds value heads for the same team and algorithm (``marft``, ``marft-token``
-    or ``ippo``), and for ``train.critic: lora`` its adapter (``adapters/critic``; a frozen critic's
-    heads start a learning critic too, its adapter then fresh). Empty: heads from ``seed``. Read
-    when a new run starts only, as ``init_adapters``."""
+    """A trained critic for this new run's to start from: a checkpoint (its ``adapters/``, or a run
+    folder: its latest) whose ``critic/`` folder holds value heads for the same team and algorithm
+    (``marft``, ``marft-token`` or ``ippo``), and for ``train.critic: lora`` its adapter
+    (``adapters/critic``; a frozen critic's heads start a learning critic too, its adapter then
+    fresh). Empty: heads from ``seed``. Read when a new run starts only, as ``init_adapters``."""
     cache_dir: str = ""
     """Where converted models are kept; empty: ``$MARFT_CACHE`` or ``~/.cache/marft``."""
     chat_template_kwargs: dict = field(default_factory=dict)

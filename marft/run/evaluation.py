@@ -76,8 +76,10 @@ def evaluate(cfg, team, models, make_env, num_problems: int | None = None, progr
             out = episode_runner(cfg)(team, models, make_env, chunk, sampling, h, generator, on_turn, ro.env_timeout_s,
                                   schedule=schedule)
             rec.add(lo, out, kept)
-            if critic is not None:
+            if critic is not None:  # its passes timed apart: the figures above are the team's alone
+                t_critic = time.perf_counter()
                 critic.add(out)
+                start += time.perf_counter() - t_critic
             done_eps = lo + len(chunk)
             if progress:
                 progress(done_eps, total, tokens)
@@ -114,17 +116,28 @@ class CriticCheck:
         self.names, self.models, self.heads, self.algorithm, self.adapter = team_names, models, heads, algorithm, adapter
         self.source = source
         self.got: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {key: [] for key in heads}
+        self.seconds = 0.0
 
     def add(self, out) -> None:
+        """Score the critic on a batch's episodes; those whose environment failed are left out, as
+        training leaves them out (their reward is 0 whatever was said)."""
         from ..engines.packing import PassWork
         from ..maths.algorithms import TargetInputs
         from .trainer import head_entries
 
+        t0 = time.perf_counter()
+        if out.failed.any():
+            if out.failed.all():
+                return
+            out = out.select(~out.failed)
+        if not out.turns:
+            return
         with torch.no_grad():
             targets = self.algorithm.targets(TargetInputs(self.train, self.names, self.models, self.heads, PassWork(),
                                                           self.adapter), out)
         for key in self.heads:
             self.got[key].append(head_entries(out, targets, key, self.algorithm.token_level))
+        self.seconds += time.perf_counter() - t0
 
     def summary(self) -> dict:
         from ..maths.stats import explained_variance
@@ -138,7 +151,7 @@ class CriticCheck:
                           "mean_value": float(val.mean()) if len(ret) else None,
                           "mean_return": float(ret.mean()) if len(ret) else None}
         return {"checkpoint": self.source, "kind": "lora" if self.adapter else "head",
-                "algorithm": self.algorithm.name, "heads": heads}
+                "algorithm": self.algorithm.name, "heads": heads, "seconds": self.seconds}
 
 
 def critic_check(cfg, team, models, checkpoint: Path) -> CriticCheck | None:
@@ -156,9 +169,10 @@ def critic_check(cfg, team, models, checkpoint: Path) -> CriticCheck | None:
     algorithm = ALGORITHMS.get(about.get("algorithm"))
     widths = about["heads"]
     want = set(algorithm.make_heads(team.names, 1)) if algorithm else set()
-    if not want or want != set(widths):
-        raise UserError(f"the critic in {checkpoint / 'critic'} has heads {', '.join(widths)} of {about.get('algorithm')}, "
-                        f"which do not fit the team {', '.join(team.names)}; evaluate with the config it was trained with")
+    if not want or want != set(widths) or (about.get("team") or team.names) != team.names:
+        raise UserError(f"the critic in {checkpoint} was trained by {about.get('algorithm')} for team "
+                        f"{', '.join(about.get('team') or widths)}, which does not fit the team {', '.join(team.names)}; "
+                        "evaluate with the config it was trained with (or --no-critic)")
     heads = algorithm.make_heads(team.names, {a: widths["team"] if "team" in widths else widths[a] for a in team.names})
     for key, head in heads.items():
         try:

@@ -317,7 +317,7 @@ class Trainer:
 
         def fill(folder: Path) -> None:
             self.models.save_adapters(folder / "adapters")
-            write_critic(folder, self.heads, self.critic.about())
+            write_critic(folder, self.heads, {**self.critic.about(), "team": self.team.names})
             torch.save({
                 "iteration": self.iteration,
                 **self.critic.state(),
@@ -348,8 +348,8 @@ class Trainer:
             raise UserError(f"checkpoint {checkpoint} was written for team {state['team']} with adapters {state['adapters']} "
                             f"({state['algorithm']}), not {mine[0]} with adapters {mine[1]} ({mine[2]}); resume with the run's own config")
         self.models.load_adapters(checkpoint / "adapters")
-        critic = read_critic(checkpoint)  # None: critic-free, or written before the heads had their folder
-        self.critic.load(state, critic[1] if critic else state.get("heads", {}))
+        critic = read_critic(checkpoint)  # its critic/ folder (or, written before it had one, trainer.pt's heads)
+        self.critic.load(state, critic[1] if critic else {}, checkpoint)
         self.policy.load(state["policy_opt"])  # the config's learning rates, not the saved ones: an override on resume counts
         self.iteration = state["iteration"]
         self.episodes.load(state.get("episodes", {}))

@@ -19,7 +19,7 @@ import torch
 
 from ..engines.packing import PassWork
 from ..maths import losses
-from ..maths.algorithms import ALGORITHMS, TurnTargets
+from ..maths.algorithms import TurnTargets
 from ..turns import Rollout
 from .config import RunConfig
 from .episodes import iteration_seed
@@ -195,26 +195,24 @@ class CriticLearner:
         (``train.critic``), the algorithm whose heads they are, and the critic's adapter (or None)."""
         return {"kind": self.cfg.train.critic, "algorithm": self.cfg.train.algorithm, "adapter": self.adapter}
 
-    def start_from(self, source: str | Path) -> None:
+    def start_from(self, source: str | Path, team: list[str]) -> None:
         """``model.init_critic``: the heads, and a learning critic's adapter, of the critic saved in
-        ``source`` (a checkpoint, or a run folder: its latest), or a one-line error saying why they
-        cannot start this run's critic."""
+        ``source`` (a checkpoint, its ``adapters/``, or a run folder: its latest) for the same team
+        (``team``) and algorithm, or a one-line error saying why they cannot start this run's critic."""
         from ..errors import UserError
-        from .checkpoints import latest_checkpoint, read_critic
+        from .checkpoints import critic_checkpoint, read_critic
 
-        p = Path(source)
-        ckpt = latest_checkpoint(p) if (p / "checkpoints").is_dir() else p
-        found = read_critic(ckpt) if ckpt is not None and ckpt.is_dir() else None
+        ckpt = critic_checkpoint(source)
+        found = read_critic(ckpt) if ckpt is not None else None
         if found is None:
-            raise UserError(f"model.init_critic: {source} holds no saved critic (expected a checkpoint with a critic/ folder, "
-                            "or a run folder whose latest checkpoint has one, written by a run of marft, marft-token or ippo)")
+            raise UserError(f"model.init_critic: {source} holds no saved critic (give a checkpoint, or a run folder with one, "
+                            "of a run of marft, marft-token or ippo)")
         about, heads = found
-        mine = {"kind": self.cfg.train.critic, "algorithm": self.cfg.train.algorithm}
-        if set(heads) != set(self.heads) or ALGORITHMS.get(about["algorithm"], None) is None or \
-                ALGORITHMS[about["algorithm"]].token_level != self.token_level:
-            raise UserError(f"model.init_critic: the critic in {ckpt} has heads {', '.join(heads)} of {about['algorithm']}; "
-                            f"this run's {mine['algorithm']} has {', '.join(self.heads) or 'none'}: start from a critic "
-                            "of the same algorithm and team")
+        algorithm, names = self.cfg.train.algorithm, about.get("team") or team
+        if about["algorithm"] != algorithm or names != team or set(heads) != set(self.heads):
+            raise UserError(f"model.init_critic: the critic in {ckpt} is {about['algorithm']}'s for team {', '.join(names)}; "
+                            f"this run is {algorithm}'s for team {', '.join(team)}: start from a critic of the same "
+                            "algorithm and team")
         if about["kind"] == "lora" and self.adapter is None:
             raise UserError(f"model.init_critic: the critic in {ckpt} is a learning one (its heads read features through "
                             "its adapter); start it with train.critic=lora")
@@ -227,9 +225,15 @@ class CriticLearner:
         if about["kind"] == "lora":
             self.models.load_adapter(self.adapter, ckpt / "adapters" / about["adapter"])
 
-    def load(self, state: dict, heads: dict) -> None:
+    def load(self, state: dict, heads: dict, checkpoint: Path | None = None) -> None:
         """A checkpoint's heads (``{head: state_dict}``) and optimisers (``state``), with the config's
         learning rates (not the saved ones)."""
+        missing = [k for k in self.heads if k not in heads]
+        if missing:
+            from ..errors import UserError
+
+            raise UserError(f"checkpoint {checkpoint} has no value head {missing[0]!r} (its critic/ folder is missing or "
+                            "incomplete); resume from an earlier checkpoint, or start a new run")
         for k, h in self.heads.items():
             h.load_state_dict(heads[k])
             self.optimizers[k].load_state_dict(state["critic_opt"][k])
