@@ -256,27 +256,6 @@ def test_the_critic_adapter_has_no_dropout_at_work(tmp_path):
     assert torch.equal(a, b)
 
 
-BREAKS = '''
-from marft.envs.base import Grade, Problem, TurnBasedEnv
-
-
-class Breaks(TurnBasedEnv):
-    """The held-out problems of odd index fail in the environment (their grading raises)."""
-
-    def new_problem(self, rng, split, index):
-        n = index if index is not None else rng.randrange(100)
-        return Problem(f"Say a word about {n}.", n)
-
-    def num_problems(self, split):
-        return 6 if split == "test" else None
-
-    def grade(self, problem, reply):
-        if problem.answer % 2:
-            raise RuntimeError("odd problem")
-        return Grade(True, True, score=float(len(reply) % 3))
-'''
-
-
 @pytest.mark.parametrize("algorithm,critic", [("marft", "lora"), ("ippo", "head"), ("marft-token", "lora")])
 def test_a_checkpoints_critic_is_saved_whole_and_scored_on_held_out_episodes(tmp_path, algorithm, critic):
     """A checkpoint holds its critic as a folder (value_heads.safetensors and critic.json; a learning
@@ -339,9 +318,7 @@ def test_a_checkpoints_critic_is_saved_whole_and_scored_on_held_out_episodes(tmp
 def test_episodes_that_fail_are_left_out_of_the_critics_score(tmp_path):
     """As training leaves them out: an episode whose environment failed (its reward 0 whatever was
     said) is not a return the critic could have predicted."""
-    env = tmp_path / "breaks.py"
-    env.write_text(BREAKS)
-    common = [*U.BASE, "task.kind=custom", "task.options={}", f"task.env={env}:Breaks", "task.horizon=1", "eval.problems=6"]
+    common = [*U.BASE, "task.kind=custom", "task.options={}", f"task.env={U.TASK}:Breaks", "task.horizon=1", "eval.problems=6"]
     cfg = marft.load_config(str(ROOT / U.DUO), [*common, "train.iterations=0", "eval.before=false",
                                                 f"output_dir={tmp_path / 'run'}"])
     with marft.MarftTrainer(cfg, log=None) as t:

@@ -32,6 +32,15 @@ class Digits(Vowels):
         return Grade(share > 0.2, True, score=share)
 
 
+class Breaks(Vowels):
+    """The problems of odd number fail in the environment (their grading raises)."""
+
+    def grade(self, problem, reply):
+        if problem.answer % 2:
+            raise RuntimeError("odd problem")
+        return super().grade(problem, reply)
+
+
 def duo(problem, client):
     """An agent program: the planner and the solver in parallel, then the solver reads both."""
     import concurrent.futures as cf
