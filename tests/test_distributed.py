@@ -1,6 +1,7 @@
 """Scale-out on Ray (marft.distributed) on a local two-CPU Ray cluster with the tiny model: one
 rollout worker and one learner per adapter repeat the in-process run exactly (metrics, weights, and
-across a checkpoint, and through ``marft train`` stopped and ``--resume``d; for dr-mas and at-grpo too); with two workers every
+across a checkpoint, and through ``marft train`` stopped and ``--resume``d; for dr-mas and at-grpo too, and with a learning
+critic, which the driver keeps); with two workers every
 worker holds the learners' weights after every update and the team learns; two data-parallel
 learners per adapter (gloo) train as one; a rollout worker that dies mid-rollout is replaced (a
 replacement that dies while starting too, up to ``cluster.max_worker_restarts``) and its shard
@@ -170,6 +171,33 @@ def test_one_worker_repeats_the_in_process_run_and_resumes(ray_cluster, vowel_ov
     assert all(torch.equal(mine[a][k], theirs[a][k]) for a in mine for k in mine[a])
     d = digests(resumed)
     assert d["workers"][0] == {a: d["learners"][a][0] for a in d["learners"]}
+    resumed.close()
+
+
+@pytest.mark.ray
+def test_a_learning_critic_on_ray_repeats_the_in_process_run_and_resumes(ray_cluster, vowel_overrides, tmp_path):
+    """train.critic=lora on Ray: the driver keeps the critic (its adapter on the driver's model, sent to
+    no worker or learner) and checkpoints it (adapters/critic, critic/); with one worker the run is
+    the in-process one, metrics (value loss, explained variance) and the critic's adapter and heads,
+    across a checkpoint."""
+    over = vowel_overrides + SMALL + ["train.critic=lora"]
+    local = trainer_for(over)
+    expected = [comparable(local.iteration_step()) for _ in range(2)]
+    assert "value_loss" in expected[0]
+    dist = distributed_for(over + CLUSTER + [f"output_dir={tmp_path / 'd'}"])
+    got = [comparable(dist.iteration_step())]
+    ckpt = dist.save()
+    dist.close()
+    assert (ckpt / "critic" / "value_heads.safetensors").is_file() and (ckpt / "adapters" / "critic").is_dir()
+    resumed = distributed_for(over + CLUSTER + [f"output_dir={tmp_path / 'd'}"])
+    resumed.load(ckpt)
+    got.append(comparable(resumed.iteration_step()))
+    assert got == expected
+    mine, theirs = resumed.models.adapter_state("critic"), local.models.adapter_state("critic")
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert all(torch.equal(a, b) for a, b in zip(resumed.heads["team"].state_dict().values(),
+                                                  local.heads["team"].state_dict().values()))
+    assert "critic" not in digests(resumed)["workers"][0]
     resumed.close()
 
 
