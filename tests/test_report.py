@@ -158,7 +158,7 @@ def test_report_command_writes_markdown_json_and_plots(sweep_dir, capsys):
     plots = sorted(out.glob("*.png"))
     assert [p.name for p in plots] == ["curves_all.png"]
     w, h = png_size(plots[0])
-    assert (w, h) == (960, 528) and plots[0].stat().st_size < 300_000
+    assert (w, h) == (1280, 528) and plots[0].stat().st_size < 300_000
     assert "![curves_all.png](curves_all.png)" in md
 
 
@@ -171,6 +171,8 @@ def test_a_mixtures_per_task_curves_are_labelled_as_tasks_not_agents(tmp_path, m
     assert series_label("tasks/gsm8k/test/accuracy", "accuracy") == "task: gsm8k/test"
     assert series_label("planner/approx_kl", "approx_kl") == "agent: planner"
     assert series_label("value_loss/planner", "value_loss") == "agent: planner"
+    assert series_label("critic/explained_variance/planner", "critic/explained_variance") == "agent: planner"
+    assert series_label("critic/explained_variance", "critic/explained_variance") == ""
     assert series_label("reward", "reward") == ""
     metrics = [{"iteration": i, "reward": 0.5, "accuracy": 0.5, "tasks/arith/reward": 0.4, "tasks/sum/reward": 0.6,
                 "tasks/arith/accuracy": 0.4, "tasks/arith/episodes": 3, "planner/approx_kl": 0.01} for i in (1, 2)]

@@ -9,7 +9,8 @@ from pathlib import Path
 from .read import RunInfo, evaluations
 
 CURVES = [("reward", "reward (train)"), ("accuracy", "team accuracy (train)"),
-          ("approx_kl", "approx. KL per agent"), ("entropy", "entropy per agent"), ("value_loss", "value loss")]
+          ("approx_kl", "approx. KL per agent"), ("entropy", "entropy per agent"), ("value_loss", "value loss"),
+          ("critic/explained_variance", "critic's explained variance"), ("abs_advantage", "mean |advantage| per agent")]
 
 
 def _pct(x) -> str:
@@ -166,8 +167,8 @@ def plot_curves(runs: list[RunInfo], out: Path) -> list[str]:
     files = []
     styles = ["-", "--", ":", "-."]
     for fig_key, lines in figures.items():
-        # 2 x 3 panels, the sixth holds the legend: colour = algorithm (or run), line style = agent (or task)
-        fig, axs = plt.subplots(2, 3, figsize=(12, 6.6), dpi=80)
+        # 2 x 4 panels, the last holds the legend: colour = algorithm (or run), line style = agent (or task)
+        fig, axs = plt.subplots(2, 4, figsize=(16, 6.6), dpi=80)
         axs = axs.ravel()
         series_style: dict[str, str] = {}
         for ax, (metric, title) in zip(axs, CURVES):
@@ -205,10 +206,12 @@ def plot_curves(runs: list[RunInfo], out: Path) -> list[str]:
 def series_label(key: str, metric: str) -> str:
     """The legend label of the curve of metrics.jsonl's ``key`` in ``metric``'s panel: a mixture's
     task for ``tasks/<task>/<metric>`` (``task: arith``; a task's label may hold a "/"), an agent
-    for ``planner/approx_kl`` or ``value_loss/planner`` (``agent: planner``), "" for the team's."""
+    for ``planner/approx_kl``, ``value_loss/planner`` or ``critic/explained_variance/planner``
+    (``agent: planner``), "" for the team's."""
     if key.startswith("tasks/") and key.endswith("/" + metric):
         return "task: " + key[len("tasks/"):-len(metric) - 1]
-    agent = "/".join(x for x in key.split("/") if x != metric)
+    agent = (key[len(metric) + 1:] if key.startswith(metric + "/") else
+             key[:-len(metric) - 1] if key.endswith("/" + metric) else "")
     return f"agent: {agent}" if agent else ""
 
 
