@@ -218,7 +218,7 @@ class MarftTrainer:
         try:
             self.training = build_training(config, self.run, log or (lambda message: None), callbacks, owner=self)
         except BaseException:
-            self.run.release()
+            self.run.abandon()
             raise
         self.team, self.models, self.make_env = self.training.team, self.training.models, self.training.make_env
         self.trainer, self.callbacks = self.training.trainer, self.training.callbacks

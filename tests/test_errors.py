@@ -131,6 +131,11 @@ ROWS = [
                                        "team.preset=trio"], "has no adapter 'verifier'"),
     ("adapters-other-rank", lambda f: ["eval", CONFIG, *f.tiny, "model.lora.r=4", "--adapters",
                                        str(f.run / "checkpoints/iter_000001/adapters")], "was trained with other LoRA settings (model.lora.r=8, not 4); set model.lora.r=8 to load it"),
+    ("init-critic-none", lambda f: ["train", CONFIG, *f.tiny, f"model.init_critic={f.d}"],
+     "holds no saved critic (give a checkpoint, or a run folder with one, of a run of marft, marft-token or ippo)"),
+    ("init-critic-other-algorithm", lambda f: ["train", CONFIG, *f.tiny, "train.algorithm=ippo", f"model.init_critic={f.run}"],
+     "is marft's for team planner, solver; this run is ippo's for team planner, solver: start from a critic of the same "
+     "algorithm and team"),
     ("output-dir-is-a-file", lambda f: ["train", CONFIG, *f.tiny, f"output_dir={f.d / 'envs.py'}"], "cannot create the folder"),
     ("engine-vllm-missing", lambda f: ["eval", CONFIG, *f.tiny, "rollout.engine=vllm"],
      E + "rollout.engine=vllm needs vLLM, which is not installed: on a GPU machine pip install 'marft[vllm]'; on a CPU run "

@@ -34,6 +34,7 @@ class RunFolder:
         self.metrics_path = self.path / "metrics.jsonl"
         self._saved: RunConfig | None = None
         self._lock = None  # the open lock file while this process trains the run (hold)
+        self.created = False  # made by this process (new): a start that fails leaves no empty folder (abandon)
 
     @classmethod
     def new(cls, path: str | Path, config_file: str | Path | None = None) -> "RunFolder":
@@ -42,8 +43,11 @@ class RunFolder:
         path = Path(path)
         check_not_training(path)
         check_new_run_dir(path, config_file)  # before the models load: nothing to overwrite
+        existed = path.exists()
         make_dir(path, "output_dir")
-        return cls(path)
+        run = cls(path)
+        run.created = not existed
+        return run
 
     @classmethod
     def restarted(cls, path: str | Path, overrides: Iterable = ()) -> tuple["RunFolder", RunConfig, Path]:
@@ -149,6 +153,16 @@ class RunFolder:
         if self._lock is not None:
             self._lock.close()  # closing the file frees its flock
             self._lock = None
+
+    def abandon(self) -> None:
+        """A new run that did not start (a check failed while it was being built): free the lock and,
+        if nothing but the lock is in the folder, remove the lock file, and the folder :meth:`new`
+        made, so that a failed start leaves nothing behind. A resumed run's folder is left as it was."""
+        self.release()
+        if self.checkpoint is None and [p.name for p in self.path.iterdir()] == [LOCK_FILE]:
+            (self.path / LOCK_FILE).unlink()
+            if self.created:
+                self.path.rmdir()
 
     # ------------------------------------------------------------------ what the run writes
     def start(self, cfg: RunConfig, machine: dict, iteration: int) -> str | None:
