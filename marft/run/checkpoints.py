@@ -200,17 +200,18 @@ def write_critic(folder: Path, heads: dict, about: dict) -> None:
     (out / "critic.json").write_text(json.dumps({**about, "heads": widths}, indent=2) + "\n")
 
 
-def read_critic(checkpoint: Path) -> tuple[dict, dict] | None:
+def read_critic(checkpoint: Path, state: dict | None = None) -> tuple[dict, dict] | None:
     """``(about, {head: state_dict})`` of the critic :func:`write_critic` saved in ``checkpoint``; of
     a checkpoint written before the critic had its folder, the heads its ``trainer.pt`` holds (their
-    kind and algorithm from the same file); None where it has none (a critic-free run). A one-line
-    error when the files are unreadable."""
+    kind and algorithm from the same file; ``state``: that file's contents where the caller read it
+    already); None where it has none (a critic-free run). A one-line error when the files are
+    unreadable."""
     checkpoint = Path(checkpoint)
     folder = checkpoint / CRITIC_FOLDER
     if not folder.is_dir():
         if not (checkpoint / "trainer.pt").is_file():
             return None
-        state = read_state(checkpoint)
+        state = state if state is not None else read_state(checkpoint)
         heads = state.get("heads") or {}
         if not heads:
             return None
@@ -230,6 +231,16 @@ def read_critic(checkpoint: Path) -> tuple[dict, dict] | None:
         raise UserError(f"the critic in {folder} cannot be read ({type(e).__name__}: {gist}); the checkpoint is "
                         f"incomplete: write an earlier checkpoint's name into {checkpoint.parent / 'latest'}") from None
     return about, heads
+
+
+def load_heads(heads: dict, states: dict, does_not_fit: str, fix: str) -> None:
+    """Saved value heads (``{head: state_dict}``, :func:`read_critic`) into ``heads``; where one does
+    not fit, a one-line error: ``does_not_fit (the reason: a size mismatch); fix``."""
+    for key, head in heads.items():
+        try:
+            head.load_state_dict(states[key])
+        except RuntimeError as e:
+            raise UserError(f"{does_not_fit} ({str(e).splitlines()[0][:100]}); {fix}") from None
 
 
 def critic_checkpoint(source: str | Path) -> Path | None:

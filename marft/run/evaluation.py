@@ -160,7 +160,7 @@ def critic_check(cfg, team, models, checkpoint: Path) -> CriticCheck | None:
     added to ``models`` and loaded; a one-line error when the critic does not fit the team."""
     from ..errors import UserError
     from ..maths.algorithms import ALGORITHMS
-    from .checkpoints import read_critic
+    from .checkpoints import load_heads, read_critic
 
     found = read_critic(checkpoint)
     if found is None:
@@ -174,12 +174,9 @@ def critic_check(cfg, team, models, checkpoint: Path) -> CriticCheck | None:
                         f"{', '.join(about.get('team') or widths)}, which does not fit the team {', '.join(team.names)}; "
                         "evaluate with the config it was trained with (or --no-critic)")
     heads = algorithm.make_heads(team.names, {a: widths["team"] if "team" in widths else widths[a] for a in team.names})
-    for key, head in heads.items():
-        try:
-            head.load_state_dict(states[key])
-        except RuntimeError as e:
-            raise UserError(f"the critic in {checkpoint / 'critic'} does not fit the team's models "
-                            f"({str(e).splitlines()[0][:100]}); evaluate with the config it was trained with") from None
+    load_heads(heads, states, f"the critic in {checkpoint / 'critic'} does not fit the team's models",
+               "evaluate with the config it was trained with")
+    for head in heads.values():
         head.eval()
     adapter = about.get("adapter")
     if adapter:

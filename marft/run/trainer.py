@@ -348,7 +348,7 @@ class Trainer:
             raise UserError(f"checkpoint {checkpoint} was written for team {state['team']} with adapters {state['adapters']} "
                             f"({state['algorithm']}), not {mine[0]} with adapters {mine[1]} ({mine[2]}); resume with the run's own config")
         self.models.load_adapters(checkpoint / "adapters")
-        critic = read_critic(checkpoint)  # its critic/ folder (or, written before it had one, trainer.pt's heads)
+        critic = read_critic(checkpoint, state)  # its critic/ folder (or, written before it had one, trainer.pt's heads)
         self.critic.load(state, critic[1] if critic else {}, checkpoint)
         self.policy.load(state["policy_opt"])  # the config's learning rates, not the saved ones: an override on resume counts
         self.iteration = state["iteration"]

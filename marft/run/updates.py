@@ -200,7 +200,7 @@ class CriticLearner:
         ``source`` (a checkpoint, its ``adapters/``, or a run folder: its latest) for the same team
         (``team``) and algorithm, or a one-line error saying why they cannot start this run's critic."""
         from ..errors import UserError
-        from .checkpoints import critic_checkpoint, read_critic
+        from .checkpoints import critic_checkpoint, load_heads, read_critic
 
         ckpt = critic_checkpoint(source)
         found = read_critic(ckpt) if ckpt is not None else None
@@ -216,12 +216,8 @@ class CriticLearner:
         if about["kind"] == "lora" and self.adapter is None:
             raise UserError(f"model.init_critic: the critic in {ckpt} is a learning one (its heads read features through "
                             "its adapter); start it with train.critic=lora")
-        for key, head in self.heads.items():
-            try:
-                head.load_state_dict(heads[key])
-            except RuntimeError as e:
-                raise UserError(f"model.init_critic: the critic in {ckpt} does not fit this run's model "
-                                f"({str(e).splitlines()[0][:100]}); start from a critic of the same base model") from None
+        load_heads(self.heads, heads, f"model.init_critic: the critic in {ckpt} does not fit this run's model",
+                   "start from a critic of the same base model")
         if about["kind"] == "lora":
             self.models.load_adapter(self.adapter, ckpt / "adapters" / about["adapter"])
 
