@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable
 
 from .run.config import RunConfig, load_config as _load_config, to_dict
 from .run.assemble import describe, env_factory, num_problems, prepare, quiet_libraries
+from .run.checkpoints import adapters_folder  # noqa: F401 - part of the API
 from .run.folder import RunFolder, killed_before_a_checkpoint, output_file
 from .run.training import TrainResult, progress_line  # noqa: F401 - progress_line: part of the API
 from .errors import UserError
@@ -161,35 +162,6 @@ def evaluate(config: RunConfig, adapters: str | Path | None = None, without: Ite
     if output is not None:
         write_json(result, output)
     return result
-
-
-def adapters_folder(source: str | Path) -> Path:
-    """The ``adapters/`` folder of a run folder (its latest checkpoint), of a checkpoint, or itself.
-    A path through ``checkpoints/latest`` (a file naming the newest checkpoint, not a folder) goes
-    to that checkpoint: ``run/checkpoints/latest/adapters`` works."""
-    from .run.checkpoints import latest_checkpoint, no_checkpoint_reason
-
-    p = Path(source)
-    for i, part in enumerate(p.parts):
-        head = Path(*p.parts[:i + 1])
-        if part == "latest" and head.is_file() and head.parent.name == "checkpoints":
-            target = latest_checkpoint(head.parent.parent)
-            if target is not None:
-                p = target.joinpath(*p.parts[i + 1:])
-            break
-    if p.exists() and not p.is_dir():  # after resolving checkpoints/latest, which is a file naming a folder
-        raise UserError(f"adapters {source} is a file, not a folder; give a checkpoint's adapters/ folder, a checkpoint or a run folder")
-    if (p / "checkpoints").is_dir():
-        ckpt = latest_checkpoint(p)
-        if ckpt is None:
-            if (p / "checkpoints" / "latest").exists():  # a latest that names no checkpoint: say which
-                raise UserError(f"run folder {p}: {no_checkpoint_reason(p)}")
-            raise UserError(f"run folder {p} has no complete checkpoint (expected {p}/checkpoints/latest); "
-                            "train it first or give a checkpoint's adapters/ folder")
-        return ckpt / "adapters"
-    if (p / "adapters").is_dir():
-        return p / "adapters"
-    return p
 
 
 # --------------------------------------------------------------------------------------------

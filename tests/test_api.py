@@ -317,6 +317,14 @@ def test_adapters_through_checkpoints_latest(vowel, tmp_path):
     assert adapters_folder(run / "checkpoints" / "latest" / "adapters") == ckpt / "adapters"
     with pytest.raises(marft.UserError, match="is a file, not a folder"):
         adapters_folder(ckpt / "trainer.pt")
+    # model.init_critic reads the critic of the checkpoint the same paths name (one resolver)
+    from marft.run.checkpoints import critic_checkpoint
+    for source in (run, ckpt, ckpt / "adapters", run / "checkpoints" / "latest", run / "checkpoints" / "latest" / "adapters"):
+        assert critic_checkpoint(source) == ckpt, source
+    assert critic_checkpoint(tmp_path) is None  # a folder that names no checkpoint's adapters
+    (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(marft.UserError, match="has no complete checkpoint"):
+        critic_checkpoint(tmp_path / "empty")
 
 
 def test_a_resume_makes_the_evaluation_its_checkpoint_was_owed_and_sets_later_ones_aside(vowel, tmp_path):

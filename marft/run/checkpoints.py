@@ -243,14 +243,36 @@ def load_heads(heads: dict, states: dict, does_not_fit: str, fix: str) -> None:
             raise UserError(f"{does_not_fit} ({str(e).splitlines()[0][:100]}); {fix}") from None
 
 
-def critic_checkpoint(source: str | Path) -> Path | None:
-    """The checkpoint a critic is read from: ``source`` itself, the checkpoint of its ``adapters/``
-    folder, of ``checkpoints/latest`` or of a run folder (its latest); None where there is none."""
+def adapters_folder(source: str | Path) -> Path:
+    """The ``adapters/`` folder of a run folder (its latest checkpoint), of a checkpoint, or itself.
+    A path through ``checkpoints/latest`` (a file naming the newest checkpoint, not a folder) goes
+    to that checkpoint: ``run/checkpoints/latest/adapters`` works."""
     p = Path(source)
-    if p.name == "latest" and p.is_file():
-        p = p.parent.parent
+    for i, part in enumerate(p.parts):
+        head = Path(*p.parts[:i + 1])
+        if part == "latest" and head.is_file() and head.parent.name == "checkpoints":
+            target = latest_checkpoint(head.parent.parent)
+            if target is not None:
+                p = target.joinpath(*p.parts[i + 1:])
+            break
+    if p.exists() and not p.is_dir():  # after resolving checkpoints/latest, which is a file naming a folder
+        raise UserError(f"adapters {source} is a file, not a folder; give a checkpoint's adapters/ folder, a checkpoint or a run folder")
     if (p / "checkpoints").is_dir():
-        return latest_checkpoint(p)
-    if p.name == "adapters" and (p.parent / "trainer.pt").is_file():
-        return p.parent
-    return p if p.is_dir() else None
+        ckpt = latest_checkpoint(p)
+        if ckpt is None:
+            if (p / "checkpoints" / "latest").exists():  # a latest that names no checkpoint: say which
+                raise UserError(f"run folder {p}: {no_checkpoint_reason(p)}")
+            raise UserError(f"run folder {p} has no complete checkpoint (expected {p}/checkpoints/latest); "
+                            "train it first or give a checkpoint's adapters/ folder")
+        return ckpt / "adapters"
+    if (p / "adapters").is_dir():
+        return p / "adapters"
+    return p
+
+
+def critic_checkpoint(source: str | Path) -> Path | None:
+    """The checkpoint whose critic ``source`` names: that of :func:`adapters_folder` (a run folder's
+    latest, a checkpoint, ``checkpoints/latest`` or a checkpoint's ``adapters/``); None where
+    ``source`` names no checkpoint's adapters."""
+    folder = adapters_folder(source)
+    return folder.parent if folder.name == "adapters" and folder.is_dir() else None

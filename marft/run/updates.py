@@ -202,7 +202,10 @@ class CriticLearner:
         from ..errors import UserError
         from .checkpoints import critic_checkpoint, load_heads, read_critic
 
-        ckpt = critic_checkpoint(source)
+        try:
+            ckpt = critic_checkpoint(source)
+        except UserError as e:  # a run folder without a checkpoint, a file: adapters_folder's words
+            raise UserError(f"model.init_critic: {e}") from None
         found = read_critic(ckpt) if ckpt is not None else None
         if found is None:
             raise UserError(f"model.init_critic: {source} holds no saved critic (give a checkpoint, or a run folder with one, "
