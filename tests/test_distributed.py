@@ -132,6 +132,32 @@ def test_a_cluster_on_gpus_is_checked(overrides, message):
         load_config("configs/duo_arithmetic.yaml", ["cluster.rollout_workers=2", *overrides])
 
 
+def test_each_actor_must_fit_on_one_node():
+    """Totals that fit can leave Ray waiting for ever: a learner of 2 GPUs on nodes of 1 GPU each, a
+    colocated pair's bundle on no node with its CPUs. Checked against each live node, in one line."""
+    from types import SimpleNamespace
+
+    from marft.distributed.parts import RayCluster
+
+    def check(overrides, nodes):
+        c = RayCluster.__new__(RayCluster)
+        c.cfg = load_config("configs/duo_arithmetic.yaml", ["cluster.rollout_workers=2", *overrides])
+        c.team = SimpleNamespace(adapters=["planner", "solver"])
+        c._check_nodes(nodes)
+
+    gpu_nodes = [{"CPU": 8, "GPU": 1}, {"CPU": 8, "GPU": 1}]  # 2 GPUs in all, one a node
+    check(["cluster.learner_gpus=1", "cluster.worker_gpus=0.5"], gpu_nodes)  # fits
+    with pytest.raises(UserError, match=r"the learner of planner asks for 1 CPUs and 2 GPUs on one machine, but no node "
+                                        r"of the Ray cluster has that much \(the most any node has: 8 CPUs, 1 GPUs\)"):
+        check(["cluster.learner_gpus=2", "cluster.worker_gpus=0.5"], gpu_nodes)
+    with pytest.raises(UserError, match=r"the colocated learners of planner, solver asks for 6 CPUs .* lower "
+                                        r"cluster.learner_cpus / cluster.learner_gpus"):
+        check(["cluster.learner_cpus=3", "cluster.colocate=[[planner, solver]]"], [{"CPU": 4}, {"CPU": 4}])
+    with pytest.raises(UserError, match=r"a rollout worker asks for 3 CPUs and 0 GPUs"):
+        check(["cluster.worker_cpus=3"], [{"CPU": 2}, {"CPU": 2}, {"CPU": 2}])
+    check(["cluster.worker_cpus=3"], [{"CPU": 2}, {"CPU": 4}])  # one node large enough
+
+
 def test_what_crosses_to_another_process_is_on_the_cpu():
     """An optimiser's state and adapter weights, nested as torch makes them, come back with every
     tensor on the CPU, detached, and everything else as it was."""

@@ -110,6 +110,25 @@ class RayCluster:
                                 f"{getattr(c, 'learner_' + kind.lower() + 's'):g}) but the Ray cluster has {have.get(kind, 0):g}; "
                                 f"lower cluster.worker_{kind.lower()}s / cluster.learner_{kind.lower()}s (fractions share a device) "
                                 "or cluster.rollout_workers")
+        self._check_nodes([n.get("Resources", {}) for n in ray.nodes() if n.get("Alive", True)])
+
+    def _check_nodes(self, nodes: list[dict]) -> None:
+        """Each actor must fit on one node (``nodes``: each live node's resources): totals that fit can
+        still leave Ray waiting for ever for a machine that holds one actor's ask (two GPUs a learner
+        on nodes of one GPU each). The asks: a rollout worker's, a learner's, a colocated group's bundle."""
+        if not nodes:
+            return
+        c = self.cfg.cluster
+        asks = [("a rollout worker", {"CPU": c.worker_cpus, "GPU": c.worker_gpus}, "worker")] if c.rollout_workers else []
+        for group in self.groups():
+            who = f"the learner of {group[0]}" if len(group) == 1 else f"the colocated learners of {', '.join(group)}"
+            asks.append((who, {"CPU": c.learner_cpus * len(group), "GPU": c.learner_gpus}, "learner"))
+        for who, ask, key in asks:
+            if not any(all(n <= node.get(kind, 0) + 1e-9 for kind, n in ask.items()) for node in nodes):
+                most = ", ".join(f"{max(node.get(kind, 0) for node in nodes):g} {kind}s" for kind in ask)
+                raise UserError(f"config: {who} asks for {ask['CPU']:g} CPUs and {ask['GPU']:g} GPUs on one machine, but no node "
+                                f"of the Ray cluster has that much (the most any node has: {most}); lower "
+                                f"cluster.{key}_cpus / cluster.{key}_gpus, or join a larger node")
 
     def groups(self) -> list[list[str]]:
         """Adapters whose learners share a device (``cluster.colocate``), the rest one each."""
