@@ -11,7 +11,10 @@ kernel) rounds differently and then samples other tokens: on a CPU with no recor
 saying so. A deliberate change of what a run computes remakes its record where it can be made and
 drops it elsewhere: ``grpo``'s whitening took its statistics over episodes instead of turns
 (2026-12-07; this task's episodes end after one or two steps), recorded anew on the AMD EPYC, none
-on the Intel Xeon until it is recorded there. Record them for this CPU (on the code you trust) with::
+on the Intel Xeon until it is recorded there. The AMD EPYC with AVX-512 BF16's, 2026-12-08, by
+c7893af (after the redesign): the same episodes, rewards and evaluations as the Intel record, the
+losses, entropies and gradient norms apart from the sixth significant figure on (another matrix
+kernel), so the weights' digests differ. Record them for this CPU (on the code you trust) with::
 
     .venv/bin/python tests/test_unchanged.py --record
 """
