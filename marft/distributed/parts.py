@@ -100,8 +100,7 @@ class RayCluster:
     def _check_resources(self, ray) -> None:
         c = self.cfg.cluster
         n_learners = len(self.team.adapters) * c.learners_per_adapter
-        want = {"CPU": c.rollout_workers * c.worker_cpus + n_learners * c.learner_cpus,
-                "GPU": c.rollout_workers * c.worker_gpus + self.learner_gpus()}
+        want = {kind: sum(count * ask[kind] for _, ask, _, count in self.asks()) for kind in ("CPU", "GPU")}
         have = ray.cluster_resources()
         for kind, n in want.items():
             if n > have.get(kind, 0) + 1e-9:
@@ -112,19 +111,25 @@ class RayCluster:
                                 "or cluster.rollout_workers")
         self._check_nodes([n.get("Resources", {}) for n in ray.nodes() if n.get("Alive", True)])
 
+    def asks(self) -> list[tuple[str, dict, str, int]]:
+        """What the actors ask Ray for: ``(who, {"CPU": n, "GPU": n}, its config key, how many)`` for a
+        rollout worker, and per device group (:meth:`groups`) for a learner, or a colocated group's
+        learners together (one bundle a rank)."""
+        c = self.cfg.cluster
+        asks = [("a rollout worker", {"CPU": c.worker_cpus, "GPU": c.worker_gpus}, "worker", c.rollout_workers)]
+        for group in self.groups():
+            who = f"the learner of {group[0]}" if len(group) == 1 else f"the colocated learners of {', '.join(group)}"
+            asks.append((who, {"CPU": c.learner_cpus * len(group), "GPU": c.learner_gpus}, "learner", c.learners_per_adapter))
+        return asks
+
     def _check_nodes(self, nodes: list[dict]) -> None:
         """Each actor must fit on one node (``nodes``: each live node's resources): totals that fit can
         still leave Ray waiting for ever for a machine that holds one actor's ask (two GPUs a learner
-        on nodes of one GPU each). The asks: a rollout worker's, a learner's, a colocated group's bundle."""
+        on nodes of one GPU each)."""
         if not nodes:
             return
-        c = self.cfg.cluster
-        asks = [("a rollout worker", {"CPU": c.worker_cpus, "GPU": c.worker_gpus}, "worker")] if c.rollout_workers else []
-        for group in self.groups():
-            who = f"the learner of {group[0]}" if len(group) == 1 else f"the colocated learners of {', '.join(group)}"
-            asks.append((who, {"CPU": c.learner_cpus * len(group), "GPU": c.learner_gpus}, "learner"))
-        for who, ask, key in asks:
-            if not any(all(n <= node.get(kind, 0) + 1e-9 for kind, n in ask.items()) for node in nodes):
+        for who, ask, key, count in self.asks():
+            if count and not any(all(n <= node.get(kind, 0) + 1e-9 for kind, n in ask.items()) for node in nodes):
                 most = ", ".join(f"{max(node.get(kind, 0) for node in nodes):g} {kind}s" for kind in ask)
                 raise UserError(f"config: {who} asks for {ask['CPU']:g} CPUs and {ask['GPU']:g} GPUs on one machine, but no node "
                                 f"of the Ray cluster has that much (the most any node has: {most}); lower "
